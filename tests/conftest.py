@@ -1,0 +1,51 @@
+"""Tiny random targets built offline from configs, in float64 so argmax ties cannot flip."""
+
+import pytest
+import torch
+
+from dominospec import Drafter, DrafterConfig, Target
+
+
+def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: int = 0,
+                dtype=torch.float64) -> Target:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                  eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=False))
+    else:
+        raise ValueError(family)
+    # sharpen the random model so its greedy continuations are not near-uniform
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.to(dtype)
+    return Target(model, tokenizer=None, name=f"tiny-{family}")
+
+
+def tiny_drafter(target: Target, head: str = "domino", block_size: int = 4, seed: int = 1,
+                 confidence: bool = False, mask_token_id=None, randomize_head: bool = True) -> Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target, head=head, block_size=block_size, num_layers=2,
+                                   intermediate_size=48, gru_hidden_size=16, rank=8,
+                                   confidence_head=confidence, mask_token_id=mask_token_id)
+    d = Drafter(cfg)
+    if randomize_head:  # an untrained head is the identity; make it change proposals
+        for name, p in d.named_parameters():
+            if name.startswith("head.") and name.endswith("w2.weight"):
+                torch.nn.init.normal_(p, std=2.0)
+    return d.attach(target)
+
+
+@pytest.fixture(scope="session")
+def llama_target():
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen3_target():
+    return tiny_target("qwen3")
