@@ -15,7 +15,7 @@ def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: i
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
                   eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=False))
     else:

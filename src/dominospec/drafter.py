@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import DominoError
+from .target import check_layer_ids
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -77,6 +78,7 @@ class DrafterConfig:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
         if problems:
             raise DominoError("invalid drafter config: " + "; ".join(problems))
+        check_layer_ids(self.target_layer_ids, self.target_num_layers)
 
     @classmethod
     def for_target(cls, target, **overrides) -> "DrafterConfig":
@@ -368,8 +370,9 @@ class Drafter(nn.Module):
         self.apply(self._init)
         if isinstance(self.head, (DominoHead, MarkovHead, RNNHead)):
             nn.init.zeros_(self.head.w2.weight)
-        self._embed: nn.Module | None = None    # borrowed from the target, never saved
-        self._lm_head: nn.Module | None = None
+        # (embedding, lm_head) borrowed from the target; a tuple so they are neither
+        # registered as submodules nor saved, moved or trained with the drafter
+        self._borrowed: tuple[nn.Module, nn.Module] | None = None
 
     @staticmethod
     def _init(m):
@@ -382,9 +385,8 @@ class Drafter(nn.Module):
     def attach(self, target) -> "Drafter":
         """Check that this drafter fits `target`, borrow its embedding and LM head, match device/dtype."""
         self.check_fits(target)
-        self._embed = target.model.get_input_embeddings()
-        self._lm_head = target.model.get_output_embeddings()
         self.to(device=target.device, dtype=target.dtype)
+        self._borrowed = (target.model.get_input_embeddings(), target.model.get_output_embeddings())
         return self
 
     def check_fits(self, target) -> None:
@@ -397,17 +399,18 @@ class Drafter(nn.Module):
             raise DominoError(f"drafter (made for {c.target_name or 'another target'!r}) does not fit target "
                               f"{target.name!r}: " + "; ".join(bad))
         if list(c.target_layer_ids) != list(target.layer_ids):
-            from .target import check_layer_ids
-            check_layer_ids(c.target_layer_ids, target.num_layers)
             target.layer_ids = list(c.target_layer_ids)  # the drafter decides which layers it reads
 
-    def embed(self, ids):
-        if self._embed is None:
+    def _tables(self):
+        if self._borrowed is None:
             raise DominoError("drafter is not attached to a target; call drafter.attach(target)")
-        return self._embed(ids)
+        return self._borrowed
+
+    def embed(self, ids):
+        return self._tables()[0](ids)
 
     def lm_head(self, h):
-        return self._lm_head(h)
+        return self._tables()[1](h)
 
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
         """Embeddings of [anchor, MASK, ..., MASK] per block: anchors [N] -> [N, B, H]."""

@@ -1,0 +1,210 @@
+"""Core properties: lossless greedy output, distribution-preserving sampling, label shift, caches."""
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_target
+from dominospec import SamplingConfig, generate_autoregressive, generate_speculative
+from dominospec.decoding import accept_rejection, warp_probs
+
+HEADS = ["none", "domino", "markov", "rnn"]
+PROMPTS = [[1, 2, 3], [5, 9, 11, 2, 7, 8, 30, 4, 4, 17]]
+
+
+class OracleDrafter(torch.nn.Module):
+    """Wraps a drafter so slot k of a block anchored at position a proposes ref[a+1+k].
+
+    It keeps the real drafter's cache bookkeeping (the anchor position is the draft cache's
+    length), so it checks the decoding loop's label-shift alignment end to end.
+    """
+
+    def __init__(self, drafter, reference: list[int], vocab: int):
+        super().__init__()
+        self.inner, self.ref, self.vocab = drafter, reference, vocab
+        self.config, self.head = drafter.config, drafter.head
+
+    def new_cache(self):
+        return self.inner.new_cache()
+
+    def extend_cache(self, cache, features):
+        self.inner.extend_cache(cache, features)
+
+    def embed(self, ids):
+        return self.inner.embed(ids)
+
+    def backbone_block(self, cache, anchor):
+        z = torch.zeros(1, self.config.block_size, self.config.hidden_size, dtype=torch.float64)
+        z[0, :, 0] = torch.arange(cache.length + 1, cache.length + 1 + self.config.block_size)
+        return z
+
+    def lm_head(self, z):
+        logits = torch.zeros(z.shape[0], self.vocab, dtype=z.dtype)
+        for row, pos in enumerate(z[:, 0].long().tolist()):
+            logits[row, self.ref[pos] if pos < len(self.ref) else 0] = 1e4
+        return logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_output_matches_target(family, head, llama_target, qwen3_target):
+    target = llama_target if family == "llama" else qwen3_target
+    drafter = tiny_drafter(target, head=head, block_size=4)
+    for prompt, b in itertools.product(PROMPTS, [1, 3, 4]):
+        ref = generate_autoregressive(target, prompt, 30, eos_ids=[])
+        spec = generate_speculative(target, drafter, prompt, 30, block_size=b, eos_ids=[])
+        assert spec.tokens == ref.tokens, (family, head, b, prompt)
+        assert spec.cycles > 0 and sum(spec.committed) + 1 == len(spec.tokens)
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_label_shift_oracle_gets_full_tau_and_stops_inside_blocks(head, llama_target):
+    """A drafter that proposes the true next tokens is accepted whole: tau = block + 1.
+
+    The same oracle then puts EOS and the token limit in the middle of accepted blocks.
+    """
+    target = llama_target
+    prompt, b = PROMPTS[0], 4
+    ref = generate_autoregressive(target, prompt, 41, eos_ids=[])
+    oracle = OracleDrafter(tiny_drafter(target, head=head, block_size=b, randomize_head=False),
+                           prompt + ref.tokens, target.vocab_size)
+    spec = generate_speculative(target, oracle, prompt, 41, eos_ids=[])
+    assert spec.tokens == ref.tokens
+    assert spec.accepted == [b] * spec.cycles
+    assert spec.tau == b + 1 and spec.cycles == 8
+
+    # max-new-tokens inside a block: 1 (prefill) + 5 + 5 + 2 of the third block
+    spec = generate_speculative(target, oracle, prompt, 13, eos_ids=[])
+    assert spec.tokens == ref.tokens[:13] and spec.committed == [5, 5, 2]
+
+    # EOS inside an accepted block: a token whose first occurrence is not a block's last slot
+    pos = next(i for i in range(8, 40) if ref.tokens[i] not in ref.tokens[:i] and (i - 1) % (b + 1) < b)
+    eos = ref.tokens[pos]
+    want = generate_autoregressive(target, prompt, 41, eos_ids=[eos])
+    spec = generate_speculative(target, oracle, prompt, 41, eos_ids=[eos])
+    assert spec.tokens == want.tokens == ref.tokens[: pos + 1]
+    assert spec.committed[-1] == (pos - 1) % (b + 1) + 1 < b + 1
+    assert spec.accepted[-1] == b  # the target accepted past EOS; only the commit was cut
+
+
+def test_greedy_matches_with_eos_from_real_rejections(qwen3_target):
+    """EOS reached through ordinary (partly rejected) cycles also stops exactly where the target does."""
+    target = qwen3_target
+    drafter = tiny_drafter(target, head="domino", block_size=4)
+    ref = generate_autoregressive(target, PROMPTS[0], 40, eos_ids=[])
+    for eos in sorted(set(ref.tokens[3:20])):
+        want = generate_autoregressive(target, PROMPTS[0], 40, eos_ids=[eos])
+        got = generate_speculative(target, drafter, PROMPTS[0], 40, eos_ids=[eos])
+        assert got.tokens == want.tokens and got.tokens[-1] == eos
+
+
+# ----- sampling -----
+
+def test_rejection_step_preserves_first_token_distribution():
+    """One acceptance step: the first committed token is distributed as the target row 0."""
+    torch.manual_seed(0)
+    v, b, n = 5, 3, 40000
+    p_t = torch.softmax(torch.randn(b + 1, v) * 1.5, -1).double()
+    p_d = torch.softmax(torch.randn(b, v) * 1.5, -1).double()
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(v)
+    for _ in range(n):
+        drafts = torch.multinomial(p_d, 1, generator=gen).squeeze(-1)
+        k, nxt = accept_rejection(drafts, p_d, p_t, gen)
+        first = int(drafts[0]) if k > 0 else nxt
+        counts[first] += 1
+    freq = counts / n
+    assert torch.allclose(freq, p_t[0].float(), atol=0.01), (freq, p_t[0])
+
+
+def _exact_target_distribution(target, prompt, steps, sampling):
+    """P(x_1..x_steps) by enumeration over the whole (tiny) vocabulary."""
+    v = target.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(v), repeat=steps)))  # [V^steps, steps]
+    ids = torch.cat([torch.tensor(prompt).expand(seqs.shape[0], -1), seqs], dim=1)
+    with torch.no_grad():
+        logits = target.model(input_ids=ids).logits[:, len(prompt) - 1:-1]  # [N, steps, V]
+    probs = warp_probs(logits, sampling)
+    p = probs.gather(-1, seqs.unsqueeze(-1)).squeeze(-1).prod(-1)
+    return {tuple(s): float(q) for s, q in zip(seqs.tolist(), p)}
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=4),
+                                      SamplingConfig(1.0, top_p=0.7)], ids=["T1", "topk", "topp"])
+def test_rejection_sampling_preserves_target_distribution(sampling):
+    """Speculative sampling commits 3-token continuations with exactly the target's probabilities.
+
+    Chi-square goodness of fit (fixed seeds) of 3000 speculative samples against enumeration.
+    """
+    from scipy.stats import chisquare
+
+    target = tiny_target("qwen3", vocab=8, layers=3, seed=3)
+    with torch.no_grad():  # soften: many outcomes, so a wrong rule shows
+        target.model.get_output_embeddings().weight.mul_(0.25)
+    drafter = tiny_drafter(target, head="domino", block_size=3, seed=4)
+    prompt, steps, n = [1, 2, 3, 4], 3, 3000
+    exact = _exact_target_distribution(target, prompt, steps, sampling)
+    counts = {}
+    accepted_any = 0
+    for seed in range(n):
+        res = generate_speculative(target, drafter, prompt, steps, sampling, seed=seed, eos_ids=[])
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        accepted_any += res.accepted[0] > 0
+    assert accepted_any > n * 0.1  # drafts are really being accepted, not only resampled
+    # bins with enough expected mass; the rest pooled into one
+    keys = sorted(exact, key=exact.get, reverse=True)
+    big = [k for k in keys if exact[k] * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
+    assert len(big) >= 20
+    assert sum(counts.get(k, 0) for k in counts if exact.get(k, 0) == 0) == 0
+    stat = chisquare(obs, exp)
+    assert stat.pvalue > 1e-3, stat
+
+
+def test_sampling_distribution_test_detects_a_wrong_acceptance_rule(monkeypatch):
+    """The chi-square test above has power: always accepting the drafts must fail it."""
+    import dominospec.decoding as dec
+
+    def accept_all(drafts, draft_probs, target_probs, gen):
+        return drafts.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=gen))
+
+    monkeypatch.setattr(dec, "accept_rejection", accept_all)
+    with pytest.raises(AssertionError):
+        test_rejection_sampling_preserves_target_distribution(SamplingConfig(1.0))
+
+
+# ----- caches -----
+
+def test_draft_context_cache_matches_recomputation(qwen3_target):
+    """Blocks drafted over an incrementally built context cache equal one uncached training forward."""
+    target = qwen3_target
+    drafter = tiny_drafter(target, head="domino", block_size=4)
+    ids = torch.tensor([[3, 8, 1, 9, 22, 5, 7, 7, 40, 2, 11, 13, 6, 6, 19]])
+    out = target.forward(ids, target.new_cache())
+    feats = out.features  # [1, S, n*H]
+    cache = drafter.new_cache()
+    anchors_pos, z_cached = [], []
+    with torch.inference_mode():
+        for upto in (5, 6, 9, 14):  # grow the cache in uneven chunks
+            drafter.extend_cache(cache, feats[:, cache.length:upto])
+            z_cached.append(drafter.backbone_block(cache, ids[0, upto:upto + 1])[0])
+            anchors_pos.append(upto)
+        pos = torch.tensor(anchors_pos)
+        z_full = drafter.forward_blocks(feats, pos, ids[0, pos])
+    assert torch.allclose(torch.stack(z_cached), z_full, atol=1e-10)
+
+
+def test_target_cache_rollback_matches_recomputation(llama_target):
+    """Cropping the target cache after a rejected block gives the same logits as never running it."""
+    target = llama_target
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7]])
+    full = target.forward(ids, target.new_cache())
+    cache = target.new_cache()
+    target.forward(ids[:, :4], cache)
+    target.forward(torch.tensor([[9, 9, 9]]), cache)  # a block that gets rejected
+    target.crop_cache(cache, 4)
+    rest = target.forward(ids[:, 4:], cache)
+    assert torch.allclose(rest.logits, full.logits[:, 4:], atol=1e-10)
+    assert torch.allclose(rest.features, full.features[:, 4:], atol=1e-10)
