@@ -156,6 +156,12 @@ def add_init(sub) -> None:
     p.set_defaults(func=cmd_init)
 
 
+def _stage_parsers():
+    from .train import add_train_parser
+
+    return [add_train_parser]
+
+
 SUBCOMMANDS = [add_generate, add_init]
 
 
@@ -166,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "causal LMs: faster generation, identical output.")
     parser.add_argument("--version", action="version", version=f"dominospec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in SUBCOMMANDS:
+    for add in SUBCOMMANDS + _stage_parsers():
         add(sub)
     return parser
 

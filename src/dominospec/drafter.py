@@ -415,16 +415,20 @@ class Drafter(nn.Module):
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
         """Embeddings of [anchor, MASK, ..., MASK] per block: anchors [N] -> [N, B, H]."""
         c = self.config
-        first = self.embed(anchors).unsqueeze(1)
+        first = self.embed(anchors).unsqueeze(1).to(self.dtype)
         if c.mask_token_id is not None:
-            mask = self.embed(torch.full_like(anchors, c.mask_token_id)).unsqueeze(1)
+            mask = self.embed(torch.full_like(anchors, c.mask_token_id)).unsqueeze(1).to(self.dtype)
         else:
-            mask = self.mask_embedding.view(1, 1, -1).to(first.dtype)
+            mask = self.mask_embedding.view(1, 1, -1)
         return torch.cat([first, mask.expand(anchors.shape[0], c.block_size - 1, -1)], dim=1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [N, S, n*H] -> context rows [N, S, H]."""
-        return self.ctx_norm(self.fc(features))
+        return self.ctx_norm(self.fc(features.to(self.dtype)))
 
     # ----- inference: one block at a time over a cached context -----
     def new_cache(self) -> DraftCache:
