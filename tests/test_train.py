@@ -1,0 +1,141 @@
+"""Training: block layout, teacher forcing = rollout, learning, exact resume, 1 vs 2 processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_drafter, tiny_target
+from dominospec import DominoError, generate_speculative
+from dominospec.train import IGNORE, TrainConfig, Trainer, anchor_candidates, make_blocks, simulated_tau, validate_samples
+from train_worker import synthetic_samples
+
+HERE = Path(__file__).parent
+
+
+def test_block_labels_follow_the_shift_convention():
+    """Slot k of the block anchored at a reads x_{a+k} and is labelled x_{a+1+k}."""
+    ids = torch.arange(100, 112)                    # token value = 100 + position
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1])
+    assert anchor_candidates(mask).tolist() == [3, 4, 5, 6, 7, 8]
+    tokens, labels = make_blocks(ids, mask, torch.tensor([3, 8]), 4)
+    assert tokens.tolist() == [[103, 104, 105, 106], [108, 109, 110, 111]]
+    # position 10 is unsupervised, 12 is past the end
+    assert labels.tolist() == [[104, 105, 106, 107], [109, IGNORE, 111, IGNORE]]
+
+
+def test_simulated_tau_counts_the_accepted_prefix():
+    logits = torch.full((2, 3, 5), -1.0)
+    labels = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    for k, tok in enumerate([1, 2, 0]):   # block 0: two hits then a miss -> tau 3
+        logits[0, k, tok] = 1
+    for k, tok in enumerate([0, 2, 3]):   # block 1: first miss -> tau 1
+        logits[1, k, tok] = 1
+    greedy, _ = simulated_tau(logits, labels)
+    assert greedy == pytest.approx(2.0)
+    same = torch.softmax(logits, -1)
+    _, sampled = simulated_tau(logits, labels, target_probs=same)  # identical distributions accept all
+    assert sampled == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("head", ["domino", "markov", "rnn"])
+def test_teacher_forced_head_equals_the_left_to_right_rollout(head, qwen3_target):
+    """Training's parallel teacher-forced logits equal inference's step-by-step logits on the same tokens."""
+    d = tiny_drafter(qwen3_target, head=head, block_size=5)
+    torch.manual_seed(0)
+    z = torch.randn(2, 5, qwen3_target.hidden_size, dtype=torch.float64)
+    tokens = torch.randint(0, qwen3_target.vocab_size, (2, 5))
+    with torch.no_grad():
+        tf = d.head.teacher_forced(z, d.embed(tokens), tokens)
+        for n in range(2):
+            state = d.head.init_state(z[n:n + 1])
+            for k in range(5):
+                delta, state = d.head.step(k, z[n, k:k + 1], d.embed(tokens[n, k:k + 1]), tokens[n, k:k + 1], state)
+                want = torch.zeros_like(tf[n, k]) if delta is None else delta[0]
+                assert torch.allclose(tf[n, k], want, atol=1e-10), (head, n, k)
+    if head == "domino":
+        assert torch.all(tf[:, 0] == 0)  # slot 0 stays uncorrected
+
+
+@pytest.mark.parametrize("head", ["domino", "none", "rnn"])
+def test_training_raises_acceptance(head, tmp_path, qwen3_target):
+    target = qwen3_target
+    samples = synthetic_samples(target, n=12, answer_len=32)
+    d = tiny_drafter(target, head=head, block_size=4, randomize_head=False, confidence=head == "rnn").float()
+    before = [generate_speculative(target, d.to(target.dtype), s["input_ids"][:5], 32, eos_ids=[]).tau
+              for s in samples[:4]]
+    trainer = Trainer(target, d, samples, tmp_path, TrainConfig(max_steps=60, batch_size=4, anchors=12, lr=3e-3,
+                                                                save_every=1000), progress=False)
+    last = trainer.fit()
+    assert last["tau_greedy"] > 2.0
+    d.eval().to(target.dtype)
+    after = [generate_speculative(target, d, s["input_ids"][:5], 32, eos_ids=[]).tau for s in samples[:4]]
+    assert sum(after) / 4 > sum(before) / 4 + 0.5, (before, after)
+    assert (tmp_path / "config.json").exists() and (tmp_path / "metrics.jsonl").exists()
+    recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 61))
+    if head == "domino":  # the base-anchored curriculum: lambda falls linearly from 1 to 0
+        assert recs[0]["lambda"] == pytest.approx(1.0) and recs[-1]["lambda"] < 0.05
+
+
+def _run_worker(out, steps, stop_after=None, resume=False, procs=1):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    args = [str(HERE / "train_worker.py"), str(out), str(steps), str(stop_after) if stop_after else "-",
+            "resume" if resume else "fresh"]
+    if procs == 1:
+        cmd = [sys.executable] + args
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
+               "--master_port", "29533"] + args
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_resume_after_kill_reaches_the_same_weights(tmp_path):
+    """A run killed hard after step 5 (checkpoint at 4) and resumed ends exactly like an uninterrupted one."""
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    r = _run_worker(full, 8)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _run_worker(broken, 8, stop_after=5)
+    assert r.returncode == 137, r.stderr[-3000:]
+    assert not (broken / "model.safetensors").exists()
+    r = _run_worker(broken, 8, resume=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(broken / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(l)["step"] for l in (broken / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+
+
+def test_two_processes_match_one(tmp_path):
+    """torchrun with 2 gloo processes computes the same updates as 1 process (global loss normalisation)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = _run_worker(one, 4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _run_worker(two, 4, procs=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst < 1e-5, worst
+    la = [json.loads(l) for l in (one / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(l) for l in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [r["ce_final"] for r in la] == pytest.approx([r["ce_final"] for r in lb], rel=1e-5)
+    assert [r["tokens"] for r in la] == [r["tokens"] for r in lb]  # the batch was split, not repeated
+
+
+def test_bad_training_data_is_refused_before_anything_is_written(qwen3_target):
+    good = {"id": "x:0", "input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}
+    with pytest.raises(DominoError, match="no samples"):
+        validate_samples([], qwen3_target, 100, "data")
+    with pytest.raises(DominoError, match=r"x:1 has token id 70 outside the target's vocabulary \(64\)"):
+        validate_samples([good, {"id": "x:1", "input_ids": [1, 70], "loss_mask": [1, 1]}], qwen3_target, 100, "d")
+    with pytest.raises(DominoError, match=r"x:0 has 4 tokens, longer than the context limit 3"):
+        validate_samples([good], qwen3_target, 3, "d")
+    with pytest.raises(DominoError, match="every sample is fully masked"):
+        validate_samples([dict(good, loss_mask=[0, 1, 0, 1])], qwen3_target, 100, "d")
+    with pytest.raises(DominoError, match="4 tokens but 3 loss-mask entries"):
+        validate_samples([dict(good, loss_mask=[0, 1, 1])], qwen3_target, 100, "d")

@@ -1,0 +1,44 @@
+"""Run a small deterministic training job; used by test_train.py under 1 and 2 processes (torchrun)."""
+
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import tiny_drafter, tiny_target  # noqa: E402
+from dominospec import generate_autoregressive  # noqa: E402
+from dominospec.train import TrainConfig, Trainer, init_distributed  # noqa: E402
+
+
+def synthetic_samples(target, n=8, prompt_len=5, answer_len=24):
+    samples = []
+    for i in range(n):
+        rng = random.Random(i)
+        prompt = [rng.randrange(1, target.vocab_size - 1) for _ in range(prompt_len)]
+        answer = generate_autoregressive(target, prompt, answer_len, eos_ids=[]).tokens
+        samples.append({"id": f"s{i}", "input_ids": prompt + answer, "loss_mask": [0] * prompt_len + [1] * answer_len})
+    return samples
+
+
+def main(out: str, steps: int, stop_after: int | None, resume: bool, head: str = "domino"):
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, head=head, block_size=4, randomize_head=False, confidence=True)
+    drafter.float()  # fp32 master weights as in real training; the target stays float64
+    dist = init_distributed(target.device)
+    cfg = TrainConfig(max_steps=steps, batch_size=4, anchors=6, lr=3e-3, save_every=2)
+    trainer = Trainer(target, drafter, synthetic_samples(target), Path(out), cfg, dist=dist, progress=False)
+    if resume:
+        trainer.load_checkpoint()
+    trainer.fit(stop_after=stop_after)
+    if dist.world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(args[0], int(args[1]), int(args[2]) if args[2] != "-" else None, args[3] == "resume",
+         args[4] if len(args) > 4 else "domino")
