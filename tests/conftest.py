@@ -28,12 +28,16 @@ def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: i
 
 
 def tiny_drafter(target: Target, head: str = "domino", block_size: int = 4, seed: int = 1,
-                 confidence: bool = False, mask_token_id=None, randomize_head: bool = True) -> Drafter:
+                 confidence: bool = False, mask_token_id=None, randomize_head: bool = True,
+                 draft_vocab: int = 0) -> Drafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig.for_target(target, head=head, block_size=block_size, num_layers=2,
                                    intermediate_size=48, gru_hidden_size=16, rank=8,
-                                   confidence_head=confidence, mask_token_id=mask_token_id)
+                                   confidence_head=confidence, mask_token_id=mask_token_id,
+                                   draft_vocab_size=draft_vocab)
     d = Drafter(cfg)
+    if draft_vocab:  # a scattered subset, so index and id differ
+        d.draft_vocab.copy_(torch.randperm(target.vocab_size)[:draft_vocab].sort().values)
     if randomize_head:  # an untrained head is the identity; make it change proposals
         for name, p in d.named_parameters():
             if name.startswith("head.") and name.endswith("w2.weight"):

@@ -199,31 +199,33 @@ def draft_block(drafter, cache, anchor: torch.Tensor, b: int, sampling: Sampling
                 use_head: bool = True):
     """Steps 1-2: backbone pass, then the head's left-to-right rollout over the first b slots.
 
-    Returns drafts [b] and, when sampling, the distributions they were drawn from [b, V].
+    Returns drafts [b] (target ids) and, when sampling, the distributions they were drawn from
+    over the target vocabulary [b, V] (zero outside a draft vocabulary).
     """
     z = drafter.backbone_block(cache, anchor)[0, :b]  # [b, H]
-    base = drafter.lm_head(z)                         # [b, V]
+    base = drafter.base_logits(z)                     # [b, V'] (V' = draft vocabulary)
     head = drafter.head
     if not use_head or drafter.config.head == "none":
         if sampling.greedy:
-            return base.argmax(-1), None
+            return drafter.to_target_ids(base.argmax(-1)), None
         probs = warp_probs(base, sampling)
-        return sample(probs, gen), probs
+        return drafter.to_target_ids(sample(probs, gen)), drafter.to_target_probs(probs)
     drafts, dists = [], []
-    prev = anchor                                     # [1]
+    prev = anchor                                     # [1] target id
     state = head.init_state(z[:1])
     for k in range(b):
         delta, state = head.step(k, z[k:k + 1], drafter.embed(prev), prev, state)
         logits = base[k:k + 1] if delta is None else base[k:k + 1] + delta
         if sampling.greedy:
-            prev = logits.argmax(-1)
+            pick = logits.argmax(-1)
         else:
             p = warp_probs(logits, sampling)
-            prev = sample(p, gen)
+            pick = sample(p, gen)
             dists.append(p)
+        prev = drafter.to_target_ids(pick)
         drafts.append(prev)
     drafts = torch.cat(drafts)
-    return drafts, (torch.cat(dists) if dists else None)
+    return drafts, (drafter.to_target_probs(torch.cat(dists)) if dists else None)
 
 
 @torch.inference_mode()

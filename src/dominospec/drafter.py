@@ -50,6 +50,7 @@ class DrafterConfig:
     qk_norm: bool = True
     block_size: int = 8
     mask_token_id: int | None = None  # None: a learned mask vector
+    draft_vocab_size: int = 0         # >0: score only this many frequent tokens (lossless; cheaper on CPU)
     # sequential head
     head: str = "domino"
     gru_hidden_size: int = 256
@@ -74,6 +75,8 @@ class DrafterConfig:
                             f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
             problems.append(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            problems.append(f"draft_vocab_size {self.draft_vocab_size} outside 0..vocab_size {self.vocab_size}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
         if problems:
@@ -98,6 +101,11 @@ class DrafterConfig:
                     target_name=str(target.name))
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
+
+    @property
+    def out_vocab(self) -> int:
+        """Width of the drafter's logits: the draft vocabulary, or the target's."""
+        return self.draft_vocab_size or self.vocab_size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -226,7 +234,7 @@ class DominoHead(nn.Module):
         self.gru_hh = nn.Linear(g, 3 * g, bias=False)
         self.w1_z = nn.Linear(c.hidden_size, c.rank, bias=False)  # W1 split over [z ; s]
         self.w1_s = nn.Linear(g, c.rank, bias=False)
-        self.w2 = nn.Linear(c.rank, c.vocab_size, bias=False)
+        self.w2 = nn.Linear(c.rank, c.out_vocab, bias=False)
         nn.init.zeros_(self.w2.weight)  # an untrained head leaves the base logits unchanged
 
     def gru_cell(self, x_proj, s):
@@ -265,7 +273,7 @@ class MarkovHead(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.w1 = nn.Embedding(c.vocab_size, c.rank)
-        self.w2 = nn.Linear(c.rank, c.vocab_size, bias=False)
+        self.w2 = nn.Linear(c.rank, c.out_vocab, bias=False)
         nn.init.normal_(self.w1.weight, std=1.0 / math.sqrt(c.rank))
         nn.init.zeros_(self.w2.weight)
 
@@ -288,7 +296,7 @@ class RNNHead(nn.Module):
         self.r = r
         self.w1 = nn.Embedding(c.vocab_size, r)
         self.cell = nn.Linear(2 * r + c.hidden_size, 3 * r, bias=True)
-        self.w2 = nn.Linear(r, c.vocab_size, bias=False)
+        self.w2 = nn.Linear(r, c.out_vocab, bias=False)
         nn.init.normal_(self.w1.weight, std=1.0 / math.sqrt(r))
         nn.init.zeros_(self.w2.weight)
 
@@ -367,12 +375,15 @@ class Drafter(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_token_id is None else None
         self.head = HEAD_CLASSES[c.head](c)
         self.confidence = ConfidenceHead(c) if c.confidence_head else None
+        if c.draft_vocab_size:  # draft-vocabulary slot -> target token id; set by training
+            self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size))
         self.apply(self._init)
         if isinstance(self.head, (DominoHead, MarkovHead, RNNHead)):
             nn.init.zeros_(self.head.w2.weight)
         # (embedding, lm_head) borrowed from the target; a tuple so they are neither
         # registered as submodules nor saved, moved or trained with the drafter
         self._borrowed: tuple[nn.Module, nn.Module] | None = None
+        self._head_rows: torch.Tensor | None = None  # LM-head rows of the draft vocabulary
 
     @staticmethod
     def _init(m):
@@ -387,6 +398,7 @@ class Drafter(nn.Module):
         self.check_fits(target)
         self.to(device=target.device, dtype=target.dtype)
         self._borrowed = (target.model.get_input_embeddings(), target.model.get_output_embeddings())
+        self.refresh_head_rows()
         return self
 
     def check_fits(self, target) -> None:
@@ -409,8 +421,35 @@ class Drafter(nn.Module):
     def embed(self, ids):
         return self._tables()[0](ids)
 
-    def lm_head(self, h):
-        return self._tables()[1](h)
+    def refresh_head_rows(self) -> None:
+        """Gather the LM-head rows of the draft vocabulary (after attach or a new draft_vocab)."""
+        self._head_rows = None
+        if self.config.draft_vocab_size and self._borrowed is not None:
+            self._head_rows = self._tables()[1].weight[self.draft_vocab].detach()
+
+    def base_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """The frozen LM head on z [..., H] -> [..., out_vocab] (draft-vocabulary rows only)."""
+        w = self._tables()[1].weight if self._head_rows is None else self._head_rows
+        return F.linear(z, w.to(z.dtype))
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> target token ids."""
+        return ids if not self.config.draft_vocab_size else self.draft_vocab[ids]
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., out_vocab] -> [..., V], zero outside the draft vocabulary."""
+        if not self.config.draft_vocab_size:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        return full.index_copy_(-1, self.draft_vocab, probs)
+
+    def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> draft-vocabulary indices, -1 where a token is outside it."""
+        if not self.config.draft_vocab_size:
+            return ids
+        table = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        table[self.draft_vocab] = torch.arange(self.config.draft_vocab_size, device=ids.device)
+        return table[ids]
 
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
         """Embeddings of [anchor, MASK, ..., MASK] per block: anchors [N] -> [N, B, H]."""
@@ -535,6 +574,10 @@ class Drafter(nn.Module):
                 raise DominoError(f"{w_path}: tensor {k} has shape {tuple(v.shape)}, config implies "
                                   f"{tuple(expected[k].shape)}")
         model.load_state_dict(state)
+        if config.draft_vocab_size:
+            dv = model.draft_vocab
+            if int(dv.min()) < 0 or int(dv.max()) >= config.vocab_size or dv.unique().numel() != dv.numel():
+                raise DominoError(f"{w_path}: draft_vocab must hold {dv.numel()} distinct ids in 0..{config.vocab_size - 1}")
         model.eval()
         if target is not None:
             model.attach(target)

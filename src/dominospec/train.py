@@ -91,6 +91,12 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, rng: random.Random) -> torch
     return torch.tensor(cand, dtype=torch.long)
 
 
+def acceptance_rate(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
+    """1 - TV(p_d, p_t): the chance rejection sampling keeps a draft. p_t may be restricted to the
+    draft vocabulary, its missing mass then counts as disagreement."""
+    return 1 - 0.5 * ((p_d - p_t).abs().sum(-1) + (1 - p_t.sum(-1)))
+
+
 def simulated_tau(final_logits: torch.Tensor, labels: torch.Tensor,
                   target_probs: torch.Tensor | None = None) -> tuple[float, float | None]:
     """Expected tokens per cycle if these blocks were verified: greedy and (with p_t) sampling.
@@ -103,7 +109,7 @@ def simulated_tau(final_logits: torch.Tensor, labels: torch.Tensor,
     sampled = None
     if target_probs is not None:
         p_d = torch.softmax(final_logits.float(), -1)
-        keep = 1 - 0.5 * (p_d - target_probs).abs().sum(-1)
+        keep = acceptance_rate(p_d, target_probs)
         keep = keep * valid.float()
         sampled = float((1 + keep.cumprod(-1).sum(-1)).mean())
     return greedy, sampled
@@ -240,10 +246,13 @@ class Trainer:
         tokens, labels = make_blocks(ids, mask, anchors, self.block)
         d = self.drafter
         z = d.forward_blocks(feats.unsqueeze(0), anchors, tokens[:, 0])        # [N, B, H]
-        base = F.linear(z, self.target.lm_head_weight.to(z.dtype))             # [N, B, V], frozen head
+        base = d.base_logits(z)                                                # [N, B, V'], frozen head
         prev_emb = d.embed(tokens).to(z.dtype)
         delta = d.head.teacher_forced(z, prev_emb, tokens)
         final = base if delta is None else base + delta
+        if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
+            sub = d.to_draft_ids(labels.clamp_min(0))
+            labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
         valid = labels != IGNORE
         w = self.weights.unsqueeze(0) * valid.float()                          # [N, B]
 
@@ -258,8 +267,10 @@ class Trainer:
             pos = (anchors.unsqueeze(1) + torch.arange(self.block, device=self.device)).clamp(max=ids.shape[0] - 1)
             with torch.no_grad():
                 p_t = torch.softmax(self.target.lm_head(final_hidden[pos]).to(z.dtype), -1)
+                if d.config.draft_vocab_size:
+                    p_t = p_t[..., d.draft_vocab]  # mass outside the draft vocabulary adds 1 - sum
             p_d = torch.softmax(final, -1)
-            l1 = ((p_d - p_t).abs().sum(-1) * w).sum()
+            l1 = (2 * (1 - acceptance_rate(p_d, p_t)) * w).sum()  # L1 incl. mass outside a draft vocab
             terms["ce"] = ce(final)
             terms["l1"] = l1
             loss = 0.1 * terms["ce"] + 0.9 * l1
@@ -275,7 +286,7 @@ class Trainer:
                 if p_t is None:  # label: analytic acceptance; without p_t, the greedy hit
                     label = (final.argmax(-1) == labels).float()
                 else:
-                    label = 1 - 0.5 * (torch.softmax(final, -1) - p_t).abs().sum(-1)
+                    label = acceptance_rate(torch.softmax(final, -1), p_t)
             terms["bce"] = (F.binary_cross_entropy_with_logits(conf, label, reduction="none") * w).sum()
             loss = loss + terms["bce"]
         with torch.no_grad():
