@@ -39,7 +39,10 @@ class OracleDrafter(torch.nn.Module):
         z[0, :, 0] = torch.arange(cache.length + 1, cache.length + 1 + self.config.block_size)
         return z
 
-    def lm_head(self, z):
+    def to_target_ids(self, ids):
+        return ids
+
+    def base_logits(self, z):
         logits = torch.zeros(z.shape[0], self.vocab, dtype=z.dtype)
         for row, pos in enumerate(z[:, 0].long().tolist()):
             logits[row, self.ref[pos] if pos < len(self.ref) else 0] = 1e4

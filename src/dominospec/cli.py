@@ -157,9 +157,11 @@ def add_init(sub) -> None:
 
 
 def _stage_parsers():
+    from .bench import add_bench_parser
+    from .data import add_prepare_parser
     from .train import add_train_parser
 
-    return [add_train_parser]
+    return [add_prepare_parser, add_train_parser, add_bench_parser]
 
 
 SUBCOMMANDS = [add_generate, add_init]

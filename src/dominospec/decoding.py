@@ -246,7 +246,8 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
 
     t0 = time.perf_counter()
     tcache, dcache = target.new_cache(), drafter.new_cache()
-    out = target.forward(ids, tcache, last_logits_only=True)
+    layers = drafter.config.target_layer_ids
+    out = target.forward(ids, tcache, last_logits_only=True, layer_ids=layers)
     drafter.extend_cache(dcache, out.features)
     tok = _first_token(out.logits[0, -1], sampling, gen)
     _sync(dev)
@@ -263,7 +264,7 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
         _sync(dev)
         t2 = time.perf_counter()
         block = torch.cat([anchor, drafts]).unsqueeze(0)  # [1, b+1]
-        out = target.forward(block, tcache)
+        out = target.forward(block, tcache, layer_ids=layers)
         logits = out.logits[0]                            # [b+1, V]
         if sampling.greedy:
             n, nxt = accept_greedy(drafts, logits)
@@ -272,10 +273,12 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
         new = drafts[:n].tolist() + [nxt]
         # keep the anchor and accepted drafts in the target cache; the new token is the next anchor
         target.crop_cache(tcache, committed_len + n)
-        drafter.extend_cache(dcache, out.features[:, : n + 1])
         _sync(dev)
-        res.draft_s += t2 - t1
-        res.verify_s += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        drafter.extend_cache(dcache, out.features[:, : n + 1])  # drafter work: counted as draft time
+        _sync(dev)
+        res.draft_s += (t2 - t1) + (time.perf_counter() - t3)
+        res.verify_s += t3 - t2
         new, done = _truncate(new, eos, max_new_tokens - len(res.tokens))
         res.cycles += 1
         res.accepted.append(n)

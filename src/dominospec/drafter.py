@@ -410,8 +410,7 @@ class Drafter(nn.Module):
         if bad:
             raise DominoError(f"drafter (made for {c.target_name or 'another target'!r}) does not fit target "
                               f"{target.name!r}: " + "; ".join(bad))
-        if list(c.target_layer_ids) != list(target.layer_ids):
-            target.layer_ids = list(c.target_layer_ids)  # the drafter decides which layers it reads
+        check_layer_ids(c.target_layer_ids, target.num_layers)  # the drafter says which layers it reads
 
     def _tables(self):
         if self._borrowed is None:

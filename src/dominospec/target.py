@@ -205,10 +205,12 @@ class Target:
     # ----- forward -----
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, last_logits_only: bool = False,
-                with_features: bool = True, with_final_hidden: bool = False):
+                with_features: bool = True, with_final_hidden: bool = False,
+                layer_ids: Sequence[int] | None = None):
         """Run ids [1, S] after the cached prefix; extends the cache in place.
 
-        Returns logits and the concatenated feature-layer hidden states for the S new positions.
+        Returns logits and the concatenated hidden states of `layer_ids` (default: the target's
+        own feature layers; a drafter passes the layers it was trained on) for the S new positions.
         """
         past = self.cache_length(cache)
         positions = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
@@ -220,18 +222,19 @@ class Target:
         feats = None
         if with_features:
             hs = out.hidden_states
-            feats = torch.cat([hs[i + 1] for i in self.layer_ids], dim=-1)
+            feats = torch.cat([hs[i + 1] for i in (layer_ids or self.layer_ids)], dim=-1)
         if with_final_hidden:
             return TargetOutput(out.logits, feats), out.hidden_states[-1]
         return TargetOutput(out.logits, feats)
 
     @torch.inference_mode()
-    def features_and_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def features_and_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                            layer_ids: Sequence[int] | None = None):
         """No-cache batched forward for training: (features [N,S,n*H], final hidden [N,S,H])."""
         out = self.model(input_ids=ids, attention_mask=attention_mask, use_cache=False,
                          output_hidden_states=True, logits_to_keep=1)
         hs = out.hidden_states
-        return torch.cat([hs[i + 1] for i in self.layer_ids], dim=-1), hs[-1]
+        return torch.cat([hs[i + 1] for i in (layer_ids or self.layer_ids)], dim=-1), hs[-1]
 
     # ----- reference decoders from transformers itself (benchmark baselines) -----
     @torch.inference_mode()
@@ -314,6 +317,27 @@ class Target:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._need_tokenizer().decode(list(ids), skip_special_tokens=True)
+
+    # ----- identity: data sets record these, so ids are never read with another tokenizer -----
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        """sha256 of the sorted (token, id) vocabulary, added tokens included; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        import hashlib
+
+        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+        return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+    @property
+    def chat_template_fingerprint(self) -> str | None:
+        """sha256 of the chat template text; None without a tokenizer or template."""
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        if not template:
+            return None
+        import hashlib
+
+        return hashlib.sha256(str(template).encode()).hexdigest()
 
 
 # ----- the bundled SmolLM2 target -----

@@ -205,7 +205,8 @@ class Trainer:
             for r, i in enumerate(todo):
                 ids[r, :lens[r]] = torch.tensor(self.samples[i]["input_ids"])
                 att[r, :lens[r]] = 1
-            feats, final = self.target.features_and_logits(ids.to(self.device), att.to(self.device))
+            feats, final = self.target.features_and_logits(ids.to(self.device), att.to(self.device),
+                                                           layer_ids=self.drafter.config.target_layer_ids)
             for r, i in enumerate(todo):
                 item = (feats[r, :lens[r]].clone(), final[r, :lens[r]].clone() if need_final else None)
                 result[i] = item
@@ -540,9 +541,9 @@ def cmd_train(args) -> int:
     cache = Path(args.feature_cache) if args.feature_cache else None
     if cache and dist.main:
         tokens = sum(len(s["input_ids"]) for s in samples)
-        per_token = 2 * target.hidden_size * (len(target.layer_ids) + (drafter.config.head in ("markov", "rnn")))
+        per_token = 2 * target.hidden_size * (len(drafter.config.target_layer_ids) + (drafter.config.head in ("markov", "rnn")))
         log(f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
-            f"(fp16, {len(target.layer_ids)} layers)")
+            f"(fp16, {len(drafter.config.target_layer_ids)} layers)")
         cache.mkdir(parents=True, exist_ok=True)
     save_dtype = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.save_dtype]
     trainer = Trainer(target, drafter, samples, out, cfg, dist=dist, feature_cache=cache, save_dtype=save_dtype)

@@ -1,0 +1,178 @@
+"""Benchmark metrics: pure functions over per-prompt runs and their per-cycle records.
+
+Nothing here touches a model or a clock. `bench.py` turns each generation into a `PromptRun`
+and everything reported (tokens/s, speedup, tau, acceptance by block position, where the
+time goes, losslessness) is computed from those records, so each number can be checked on
+hand-made records in a unit test.
+
+Two per-cycle lists carry different facts (method.md §1):
+  accepted[i]  = drafts the target accepted in cycle i: the verification outcome, not cut by
+                 EOS or the token budget. Acceptance by position is computed from it.
+  committed[i] = tokens actually committed in cycle i (accepted drafts + bonus, then cut at
+                 EOS / max-new-tokens). tau is computed from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+
+@dataclass
+class PromptRun:
+    """One method on one prompt: the output tokens, timings and (speculative only) cycle records."""
+    method: str
+    dataset: str
+    prompt_index: int          # index inside its dataset
+    tokens: list[int]          # new tokens only
+    total_s: float             # wall clock of the whole generation, prefill included
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accepted: list[int] = field(default_factory=list)   # per cycle
+    committed: list[int] = field(default_factory=list)  # per cycle
+    block_size: int = 0        # drafts per cycle; 0 for methods without cycles
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def cycles(self) -> int:
+        return len(self.accepted)
+
+    @classmethod
+    def from_generation(cls, res, method: str, dataset: str, prompt_index: int) -> "PromptRun":
+        """From a decoding.GenerationResult."""
+        return cls(method=method, dataset=dataset, prompt_index=prompt_index, tokens=list(res.tokens),
+                   total_s=res.total_s, prefill_s=res.prefill_s, draft_s=res.draft_s, verify_s=res.verify_s,
+                   accepted=list(res.accepted), committed=list(res.committed), block_size=res.block_size)
+
+
+# ----- acceptance by block position -----
+
+def position_counts(accepted: Iterable[int], block_size: int) -> tuple[list[int], list[int]]:
+    """(judged, accepted) counts for block positions k = 1..block_size.
+
+    Position k is judged in a cycle iff drafts 1..k-1 were all accepted (accepted >= k-1),
+    and accepted iff accepted >= k.
+    """
+    judged = [0] * block_size
+    passed = [0] * block_size
+    for a in accepted:
+        if a < 0 or a > block_size:
+            raise ValueError(f"accepted count {a} outside 0..{block_size}")
+        for k in range(1, block_size + 1):
+            if a >= k - 1:
+                judged[k - 1] += 1
+            if a >= k:
+                passed[k - 1] += 1
+    return judged, passed
+
+
+def conditional_acceptance(accepted: Sequence[int], block_size: int) -> list[float | None]:
+    """P(accept k | 1..k-1 accepted) per position; None where position k was never judged."""
+    judged, passed = position_counts(accepted, block_size)
+    return [p / j if j else None for j, p in zip(judged, passed)]
+
+
+def unconditional_acceptance(accepted: Sequence[int], block_size: int) -> list[float | None]:
+    """P(drafts 1..k all accepted) per position, over all cycles; None when there are no cycles."""
+    _, passed = position_counts(accepted, block_size)
+    n = len(accepted)
+    return [p / n if n else None for p in passed]
+
+
+def tau(committed: Sequence[int]) -> float:
+    """Tokens committed per cycle, bonus included; 1.0 for a method without cycles (one token per step)."""
+    return sum(committed) / len(committed) if committed else 1.0
+
+
+# ----- speed -----
+
+def tokens_per_second(new_tokens: Iterable[int], seconds: Iterable[float]) -> float:
+    """Aggregate throughput: total new tokens / total time (not a mean of per-prompt rates)."""
+    total_t = sum(seconds)
+    return sum(new_tokens) / total_t if total_t > 0 else 0.0
+
+
+def speedup(tps: float, reference_tps: float | None) -> float | None:
+    return tps / reference_tps if reference_tps else None
+
+
+def time_split(runs: Sequence[PromptRun]) -> dict:
+    """Where the time goes, in ms: per prompt for prefill, per cycle for draft / verify / the rest.
+
+    "host" is what is left of the decode loop after drafting and verifying
+    (total - prefill - draft - verify): acceptance, cache bookkeeping, Python.
+    """
+    n = len(runs)
+    cycles = sum(r.cycles for r in runs)
+    tokens = sum(r.new_tokens for r in runs)
+    total = sum(r.total_s for r in runs)
+    prefill = sum(r.prefill_s for r in runs)
+    draft = sum(r.draft_s for r in runs)
+    verify = sum(r.verify_s for r in runs)
+    out = {"cycles": cycles, "total_s": total,
+           "prefill_ms_per_prompt": 1e3 * prefill / n if n and prefill > 0 else None,  # None: not measured
+           "ms_per_token": 1e3 * total / tokens if tokens else None,
+           "draft_ms_per_cycle": None, "verify_ms_per_cycle": None, "host_ms_per_cycle": None}
+    if not cycles and prefill > 0 and tokens > n:
+        # plain decoding: the first token comes out of the prefill, each later one from one step
+        out["decode_ms_per_step"] = 1e3 * (total - prefill) / (tokens - n)
+    if cycles:
+        out["draft_ms_per_cycle"] = 1e3 * draft / cycles
+        out["verify_ms_per_cycle"] = 1e3 * verify / cycles
+        out["host_ms_per_cycle"] = 1e3 * (total - prefill - draft - verify) / cycles
+    return out
+
+
+# ----- losslessness -----
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts); None when identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def mismatches(runs: Sequence[PromptRun], reference: dict[tuple[str, int], Sequence[int]]) -> list[dict]:
+    """Every run whose output differs from the reference output of the same prompt."""
+    found = []
+    for r in runs:
+        pos = first_difference(r.tokens, reference[(r.dataset, r.prompt_index)])
+        if pos is not None:
+            found.append({"method": r.method, "dataset": r.dataset, "prompt_index": r.prompt_index,
+                          "first_diff": pos})
+    return found
+
+
+# ----- one method, one group of prompts -----
+
+def summarize(runs: Sequence[PromptRun], reference_tps: float | None = None,
+              reference_tokens: dict[tuple[str, int], Sequence[int]] | None = None) -> dict:
+    """All reported numbers for one method over `runs` (one dataset, or all of them).
+
+    reference_tps: the reference method's tokens/s on the same prompts (speedup is None without it).
+    reference_tokens: (dataset, prompt_index) -> reference output; None means outputs are not
+    compared (sampling), and lossless_mismatches is None.
+    """
+    block = max((r.block_size for r in runs), default=0)
+    accepted = [a for r in runs for a in r.accepted]
+    committed = [c for r in runs for c in r.committed]
+    tps = tokens_per_second((r.new_tokens for r in runs), (r.total_s for r in runs))
+    diff = mismatches(runs, reference_tokens) if reference_tokens is not None else None
+    out = {"tokens_per_s": tps,
+           "speedup": speedup(tps, reference_tps),
+           "tau": tau(committed),
+           "accept_conditional": conditional_acceptance(accepted, block) if block else [],
+           "accept_unconditional": unconditional_acceptance(accepted, block) if block else [],
+           "lossless_mismatches": None if diff is None else len(diff),
+           "num_prompts": len(runs),
+           "new_tokens": sum(r.new_tokens for r in runs),
+           "block_size": block}
+    out.update(time_split(runs))
+    if diff is not None:
+        out["mismatched_prompts"] = diff
+    return out

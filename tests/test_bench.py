@@ -1,0 +1,231 @@
+"""Benchmark metrics on hand-made records, and the bench runner end to end on tiny targets."""
+
+import argparse
+import json
+
+import pytest
+
+from conftest import tiny_drafter
+from dominospec import SamplingConfig, bench
+from dominospec.errors import DominoError
+from dominospec.metrics import (PromptRun, conditional_acceptance, first_difference, position_counts,
+                                summarize, tau, time_split, tokens_per_second, unconditional_acceptance)
+
+METRIC_KEYS = {"tokens_per_s", "speedup", "tau", "accept_conditional", "accept_unconditional",
+               "lossless_mismatches", "num_prompts", "new_tokens"}
+
+
+def run(method="m", tokens=(1, 2, 3), total_s=1.0, accepted=(), committed=(), block=0, dataset="d", idx=0, **kw):
+    return PromptRun(method, dataset, idx, list(tokens), total_s, accepted=list(accepted),
+                     committed=list(committed), block_size=block, **kw)
+
+
+# ----- acceptance by position -----
+
+def test_conditional_acceptance_only_counts_cycles_that_reached_the_position():
+    accepted = [0, 2, 4, 1]  # block 4
+    judged, passed = position_counts(accepted, 4)
+    assert judged == [4, 3, 2, 1] and passed == [3, 2, 1, 1]
+    assert conditional_acceptance(accepted, 4) == pytest.approx([3 / 4, 2 / 3, 1 / 2, 1.0])
+    assert unconditional_acceptance(accepted, 4) == pytest.approx([3 / 4, 2 / 4, 1 / 4, 1 / 4])
+
+
+def test_unconditional_acceptance_is_the_running_product_of_conditional():
+    accepted = [0, 1, 3, 3, 2, 0, 5, 1]
+    cond, uncond = conditional_acceptance(accepted, 5), unconditional_acceptance(accepted, 5)
+    prod = 1.0
+    for c, u in zip(cond, uncond):
+        prod *= c
+        assert u == pytest.approx(prod)
+
+
+def test_positions_never_reached_are_undefined_not_zero():
+    assert conditional_acceptance([0, 0], 3) == [0.0, None, None]
+    assert unconditional_acceptance([0, 0], 3) == [0.0, 0.0, 0.0]
+    assert unconditional_acceptance([], 2) == [None, None]
+    with pytest.raises(ValueError):
+        position_counts([5], 4)
+
+
+# ----- tau -----
+
+def test_tau_counts_the_bonus_token():
+    # accepted 3 drafts + bonus, then 0 + bonus: tau = (4 + 1) / 2
+    r = run(tokens=range(6), accepted=[3, 0], committed=[4, 1], block=4)
+    assert summarize([r])["tau"] == pytest.approx(2.5)
+
+
+def test_tau_uses_committed_tokens_when_eos_cuts_a_block():
+    # second cycle: the target accepted all 3 drafts, but the 2nd committed token was EOS
+    r = run(tokens=range(5), accepted=[1, 3], committed=[2, 2], block=4)
+    s = summarize([r])
+    assert s["tau"] == pytest.approx(2.0)                                 # not (2 + 4) / 2
+    assert s["accept_unconditional"] == pytest.approx([1.0, 0.5, 0.5, 0.0])  # verification outcome, uncut
+    assert s["accept_conditional"] == pytest.approx([1.0, 0.5, 1.0, 0.0])
+
+
+def test_methods_without_cycles_have_tau_one_and_no_positions():
+    s = summarize([run(tokens=range(7))])
+    assert s["tau"] == 1.0 and tau([]) == 1.0
+    assert s["accept_conditional"] == [] and s["accept_unconditional"] == []
+
+
+# ----- speed -----
+
+def test_tokens_per_s_is_aggregate_not_mean_of_rates():
+    runs = [run(tokens=range(10), total_s=1.0), run(tokens=range(10), total_s=4.0, idx=1)]
+    assert tokens_per_second([10, 10], [1.0, 4.0]) == pytest.approx(4.0)  # mean of rates would be 6.25
+    s = summarize(runs, reference_tps=2.0)
+    assert s["tokens_per_s"] == pytest.approx(4.0) and s["speedup"] == pytest.approx(2.0)
+    assert s["num_prompts"] == 2 and s["new_tokens"] == 20
+    assert summarize(runs)["speedup"] is None
+
+
+def test_time_split_leaves_the_rest_to_host_overhead():
+    r = run(tokens=range(8), total_s=1.0, prefill_s=0.1, draft_s=0.2, verify_s=0.5,
+            accepted=[1, 1, 1, 1], committed=[2, 2, 2, 1], block=2)
+    t = time_split([r])
+    assert t["cycles"] == 4
+    assert (t["draft_ms_per_cycle"], t["verify_ms_per_cycle"], t["host_ms_per_cycle"]) == pytest.approx((50, 125, 50))
+    assert time_split([run(tokens=range(5), total_s=1.0, prefill_s=0.2)])["decode_ms_per_step"] == pytest.approx(200)
+
+
+# ----- losslessness -----
+
+def test_first_difference_counts_length_differences():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_mismatches_are_counted_against_the_reference_per_prompt():
+    runs = [run("ar", [1, 2, 3], dataset="x", idx=0), run("ar", [4, 5], dataset="y", idx=0),
+            run("spec", [1, 2, 3], dataset="x", idx=0), run("spec", [4, 6], dataset="y", idx=0)]
+    out = bench.summarize_benchmark(runs, ["ar", "spec"], ["x", "y"], compare_outputs=True)
+    assert out["methods"]["ar"]["lossless_mismatches"] == 0
+    assert out["methods"]["spec"]["lossless_mismatches"] == 1
+    assert out["methods"]["spec"]["mismatched_prompts"] == [
+        {"method": "spec", "dataset": "y", "prompt_index": 0, "first_diff": 1}]
+    assert out["per_dataset"]["x"]["spec"]["lossless_mismatches"] == 0
+    assert out["per_dataset"]["y"]["spec"]["lossless_mismatches"] == 1
+    sampled = bench.summarize_benchmark(runs, ["ar", "spec"], ["x", "y"], compare_outputs=False)
+    assert sampled["methods"]["spec"]["lossless_mismatches"] is None
+
+
+# ----- the runner on tiny targets -----
+
+DATASETS = {"alpha": [[1, 2, 3], [5, 9, 11, 2, 7, 8]], "beta": [[4, 4, 4, 4, 8, 30]]}
+
+
+def test_bench_end_to_end_layout_and_lossless_greedy(tmp_path, llama_target):
+    drafters = [("tiny-domino", tiny_drafter(llama_target, head="domino", block_size=4)),
+                ("tiny-none", tiny_drafter(llama_target, head="none", block_size=3))]
+    methods, notes = bench.build_methods(bench.METHOD_GROUPS, drafters)
+    names = [m.name for m in methods]
+    assert names == ["ar", "hf", "pld", "domino-2L-b4", "domino-2L-b4-nohead", "none-2L-b3"]
+    assert any("none-2L-b3" in n and "ablation" in n for n in notes)
+
+    bench.benchmark(llama_target, DATASETS, methods, tmp_path, max_new_tokens=8, progress=False, notes=notes)
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert set(res) == {"config", "methods", "per_dataset"}
+    assert list(res["methods"]) == names and list(res["per_dataset"]) == ["alpha", "beta"]
+    for table, prompts in [(res["methods"], 3)] + [(res["per_dataset"][d], len(p)) for d, p in DATASETS.items()]:
+        for name, m in table.items():
+            assert METRIC_KEYS <= set(m), name
+            assert m["lossless_mismatches"] == 0, name
+            assert m["num_prompts"] == prompts and m["tau"] >= 1.0
+        assert table["ar"]["speedup"] == pytest.approx(1.0)
+    m = res["methods"]
+    assert len(m["domino-2L-b4"]["accept_conditional"]) == 4 and len(m["none-2L-b3"]["accept_unconditional"]) == 3
+    assert m["hf"]["accept_conditional"] == [] and m["domino-2L-b4"]["verify_ms_per_cycle"] > 0
+    assert res["config"]["datasets"] == {"alpha": 2, "beta": 1} and res["config"]["temperature"] == 0.0
+    report = (tmp_path / "report.md").read_text()
+    for section in ("## Overall", "## alpha", "## beta", "## Acceptance by block position", "## Where the time goes"):
+        assert section in report
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 3 * len(names)
+
+
+def test_methods_are_interleaved_per_prompt(llama_target):
+    methods, _ = bench.build_methods(["ar", "hf"])
+    runs = bench.run_benchmark(llama_target, DATASETS, methods, max_new_tokens=3, warmup=False, progress=False)
+    prompts = [(r.dataset, r.prompt_index) for r in runs]
+    assert prompts == [("alpha", 0)] * 2 + [("alpha", 1)] * 2 + [("beta", 0)] * 2
+    assert [r.method for r in runs] == ["ar", "hf", "hf", "ar", "ar", "hf"]  # order rotates per prompt
+
+
+def test_sampling_bench_compares_no_outputs(tmp_path, llama_target):
+    methods, _ = bench.build_methods(["ar", "drafters"], [("d", tiny_drafter(llama_target, block_size=4))])
+    res = bench.benchmark(llama_target, {"alpha": DATASETS["alpha"]}, methods, tmp_path, max_new_tokens=8,
+                          sampling=SamplingConfig(temperature=0.8), progress=False, plots=False)
+    assert all(m["lossless_mismatches"] is None for m in res["methods"].values())
+    assert any("not compared" in n for n in res["config"]["notes"])
+
+
+def test_method_selection_errors_and_notes(llama_target):
+    with pytest.raises(DominoError, match="unknown"):
+        bench.parse_methods("ar,speculative")
+    methods, notes = bench.build_methods(["hf", "drafters"])
+    assert [m.name for m in methods] == ["ar", "hf"]
+    assert any("no drafter" in n for n in notes) and any("reference" in n for n in notes)
+    d = tiny_drafter(llama_target, block_size=4)
+    methods, notes = bench.build_methods(["drafters"], [("a", d), ("b", d)], block_size=9)
+    assert [m.name for m in methods] == ["ar", "domino-2L-b4", "b:domino-2L-b4"]
+    assert methods[1].block_size == 4 and any("above" in n for n in notes)
+
+
+def test_bench_parser_defaults():
+    parser = argparse.ArgumentParser()
+    bench.add_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--prompts", "a.jsonl", "--prompts", "b.jsonl", "--out", "o"])
+    assert args.prompts == ["a.jsonl", "b.jsonl"] and args.methods == bench.DEFAULT_METHODS
+    assert (args.profile, args.context, args.max_k, args.temperature) == (False, 256, 16, 0.0)
+    assert args.func is bench.cmd_bench
+
+
+def test_prompt_files_give_the_first_user_turn(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"turns": ["first", "second"]},
+            {"conversations": [{"from": "human", "value": "share"}, {"from": "gpt", "value": "x"}]},
+            {"messages": [{"role": "user", "content": "msg"}, {"role": "assistant", "content": "y"}]},
+            {"prompt": "plain"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert bench.read_first_turns(path) == ["first", "share", "msg", "plain"]
+    with pytest.raises(DominoError, match="no such file"):
+        bench.read_first_turns(tmp_path / "missing.jsonl")
+
+
+# ----- verify cost profile -----
+
+def test_verify_cost_profile_layout(tmp_path, llama_target):
+    table = bench.profile_verify_cost(llama_target, context=16, max_k=4, repeats=2, progress=False)
+    bench.write_verify_cost(table, tmp_path)
+    data = json.loads((tmp_path / "verify_cost.json").read_text())
+    assert {"device", "context", "k", "seconds", "relative_to_1", "sps"} <= set(data)
+    assert data["k"] == [1, 2, 3, 4] and data["context"] == 16
+    assert len(data["seconds"]) == len(data["relative_to_1"]) == len(data["sps"]) == 4
+    assert data["relative_to_1"][0] == pytest.approx(1.0)
+    assert data["sps"] == pytest.approx([1 / s for s in data["seconds"]])
+    assert "| 4 |" in bench.format_verify_cost(data)
+    with pytest.raises(DominoError, match="positions"):
+        bench.profile_verify_cost(llama_target, context=510, max_k=4, progress=False)
+
+
+# ----- the text + CLI layer on the bundled target -----
+
+@pytest.mark.integration
+def test_cli_bench_and_profile_on_the_bundled_target(tmp_path, capsys):
+    from dominospec import cli
+
+    prompts = tmp_path / "tiny-set.jsonl"
+    prompts.write_text(json.dumps({"turns": ["What is 2 + 3?"]}) + "\n" + json.dumps({"prompt": "Say hi."}) + "\n")
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--prompts", str(prompts), "--methods", "ar,hf", "--limit", "1",
+                     "--max-new-tokens", "4", "--no-plots", "--profile", "--context", "8", "--max-k", "2",
+                     "--repeats", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| ar |" in printed and "| 2 |" in printed
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["datasets"] == {"tiny-set": 1}
+    assert res["methods"]["hf"]["lossless_mismatches"] == 0 and res["methods"]["ar"]["new_tokens"] == 4
+    assert json.loads((out / "verify_cost.json").read_text())["k"] == [1, 2]
+    assert cli.main(["bench", "--out", str(out)]) == 2  # nothing to do: a clear error, no traceback
