@@ -63,3 +63,31 @@ def test_cli_reports_a_drafter_for_another_target(tmp_path, capsys, smollm):
     assert main(["generate", "hi", "--drafter", str(tmp_path), "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert "does not fit target 'smollm2-135m'" in err and "hidden_size: drafter 32 vs target 576" in err
+
+
+def test_pipeline_prepare_train_generate_bench(tmp_path, capsys, smollm):
+    """The user's whole path on the real target: data -> trained drafter -> generate -> bench."""
+    data, drafter, bench = tmp_path / "data", tmp_path / "drafter", tmp_path / "bench"
+    assert main(["prepare-data", "--prompts", "builtin:2", "--out", str(data), "--max-new-tokens", "12",
+                 "--batch-size", "2"]) == 0
+    assert main(["train", "--data", str(data), "--out", str(drafter), "--layers", "1", "--block-size", "4",
+                 "--intermediate-size", "256", "--gru-hidden-size", "32", "--rank", "16", "--draft-vocab", "512",
+                 "--max-steps", "3", "--batch-size", "2", "--anchors", "4", "--save-every", "2",
+                 "--feature-cache", str(tmp_path / "features")]) == 0
+    assert len(list((tmp_path / "features").glob("*.safetensors"))) == 2
+    assert (drafter / "config.json").exists() and (drafter / "metrics.jsonl").exists()
+    cfg = json.loads((drafter / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 512 and cfg["head"] == "domino"
+    capsys.readouterr()
+    assert main(["generate", "Add 2 and 2.", "--drafter", str(drafter), "--max-new-tokens", "8", "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert main(["generate", "Add 2 and 2.", "--no-draft", "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == spec["text"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["Say hello."]}\n')
+    assert main(["bench", "--prompts", str(prompts), "--drafter", str(drafter), "--methods", "ar,drafters,ablation",
+                 "--max-new-tokens", "6", "--out", str(bench)]) == 0
+    res = json.loads((bench / "results.json").read_text())
+    assert res["methods"]["ar"]["lossless_mismatches"] == 0
+    assert all(m["lossless_mismatches"] == 0 for m in res["methods"].values())
+    assert main(["train", "--data", str(data), "--out", str(drafter), "--max-steps", "3"]) == 2  # no silent overwrite
