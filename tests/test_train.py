@@ -139,3 +139,12 @@ def test_bad_training_data_is_refused_before_anything_is_written(qwen3_target):
         validate_samples([dict(good, loss_mask=[0, 1, 0, 1])], qwen3_target, 100, "d")
     with pytest.raises(DominoError, match="4 tokens but 3 loss-mask entries"):
         validate_samples([dict(good, loss_mask=[0, 1, 1])], qwen3_target, 100, "d")
+
+
+def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
+    from dominospec.train import frequent_tokens
+
+    samples = [{"input_ids": [5, 5, 5, 7, 7, 9, 1], "loss_mask": [1, 1, 1, 1, 1, 0, 1]},
+               {"input_ids": [9, 9, 9, 3], "loss_mask": [0, 0, 0, 1]}]  # 9 is only ever in prompts
+    assert frequent_tokens(samples, 3, 12, always=[11]).tolist() == [5, 7, 11]
+    assert frequent_tokens(samples, 5, 12, always=[11]).tolist() == [1, 3, 5, 7, 11]
