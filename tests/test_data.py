@@ -1,6 +1,7 @@
 """prepare-data: prompt sources, the assistant-only loss mask, exactly-once resume, and loading back."""
 
 import json
+import os
 import signal
 import string
 import subprocess
@@ -164,6 +165,17 @@ def test_builtin_prompts_are_deterministic_and_prefix_stable():
     assert first == builtin_prompts(300, seed=0)
     assert builtin_prompts(120, seed=0) == first[:120]
     assert [c.turns for c in builtin_prompts(300, seed=1)] != [c.turns for c in first]
+
+
+def test_builtin_prompts_are_identical_across_processes():
+    """Protects resume: prompts must not embed anything process-specific (object addresses in
+    stdlib signatures, hash order), or a restarted prepare-data refuses its own output."""
+    script = ("import hashlib, json; from dominospec.prompts import builtin_prompts; "
+              "print(hashlib.sha256(json.dumps([c.turns for c in builtin_prompts(3000)]).encode()).hexdigest())")
+    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
+               for seed in (1, 2)}
+    assert len(digests) == 1
 
 
 def test_builtin_prompts_are_distinct_short_and_mixed_40_35_25():

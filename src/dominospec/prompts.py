@@ -351,11 +351,21 @@ def _describe(module, module_name: str, name: str, check_origin: bool) -> _Stdli
     if sentence is None or "deprecated" in sentence.lower():
         return None
     try:
-        signature = str(inspect.signature(value)) if not inspect.isclass(value) else ""
+        signature = _stable_signature(str(inspect.signature(value))) if not inspect.isclass(value) else ""
     except (TypeError, ValueError):
         signature = ""
     return _StdlibObject(module_name, name, "class" if inspect.isclass(value) else "function",
                          sentence, signature, _source_snippet(value))
+
+
+_DEFAULT_REPR = re.compile(r"<(?:function|built-in function|class) ([\w.]+)(?: at 0x[0-9a-fA-F]+)?>")
+
+
+def _stable_signature(signature: str) -> str:
+    """Defaults shown by name, not by repr: `<function copy2 at 0x7f..>` differs in every process,
+    and a prompt that differs between runs would make prepare-data's resume refuse its own output."""
+    signature = _DEFAULT_REPR.sub(r"\1", signature)
+    return "" if re.search(r" at 0x[0-9a-fA-F]+", signature) else signature
 
 
 def _first_sentence(doc: str) -> str | None:
