@@ -91,3 +91,31 @@ def test_pipeline_prepare_train_generate_bench(tmp_path, capsys, smollm):
     assert res["methods"]["ar"]["lossless_mismatches"] == 0
     assert all(m["lossless_mismatches"] == 0 for m in res["methods"].values())
     assert main(["train", "--data", str(data), "--out", str(drafter), "--max-steps", "3"]) == 2  # no silent overwrite
+
+
+def test_shipped_default_drafter_is_used_and_lossless(capsys, smollm):
+    """The package ships a trained domino drafter for the bundled target (trainable weights only,
+    at most 30 MB); `generate` without --drafter uses it, and its greedy output is the target's."""
+    from pathlib import Path
+
+    import dominospec
+
+    shipped = Path(dominospec.__file__).parent / "drafters" / "smollm2-135m"
+    files = sorted(p.name for p in shipped.iterdir())
+    assert files == ["config.json", "model.safetensors"], files
+    assert sum(p.stat().st_size for p in shipped.iterdir()) <= 30 * 2**20
+    cfg = json.loads((shipped / "config.json").read_text())
+    assert cfg["head"] == "domino"
+    from safetensors import safe_open
+
+    table = [smollm.vocab_size, smollm.hidden_size]
+    with safe_open(str(shipped / "model.safetensors"), "pt") as f:
+        shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    assert not [n for n, s in shapes.items() if sorted(s) == sorted(table)], shapes  # no embedding / LM head copy
+    prompt = "What is 12 times 7? Answer briefly."
+    assert main(["generate", prompt, "--max-new-tokens", "24", "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["tau"] is not None and spec["cycles"] > 0
+    assert main(["generate", prompt, "--no-draft", "--max-new-tokens", "24", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert spec["text"] == plain["text"] and spec["new_tokens"] == plain["new_tokens"]
