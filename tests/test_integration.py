@@ -4,9 +4,10 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from dominospec import Drafter, DrafterConfig, Target, generate_autoregressive, generate_speculative
-from dominospec.cli import main
+from dominospec.cli import main, shipped_drafter_dir
 
 pytestmark = pytest.mark.integration
 
@@ -96,18 +97,12 @@ def test_pipeline_prepare_train_generate_bench(tmp_path, capsys, smollm):
 def test_shipped_default_drafter_is_used_and_lossless(capsys, smollm):
     """The package ships a trained domino drafter for the bundled target (trainable weights only,
     at most 30 MB); `generate` without --drafter uses it, and its greedy output is the target's."""
-    from pathlib import Path
-
-    import dominospec
-
-    shipped = Path(dominospec.__file__).parent / "drafters" / "smollm2-135m"
+    shipped = shipped_drafter_dir("smollm2-135m")
     files = sorted(p.name for p in shipped.iterdir())
     assert files == ["config.json", "model.safetensors"], files
     assert sum(p.stat().st_size for p in shipped.iterdir()) <= 30 * 2**20
     cfg = json.loads((shipped / "config.json").read_text())
     assert cfg["head"] == "domino"
-    from safetensors import safe_open
-
     table = [smollm.vocab_size, smollm.hidden_size]
     with safe_open(str(shipped / "model.safetensors"), "pt") as f:
         shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}

@@ -37,6 +37,11 @@ def load_target(args):
     return Target.load(args.target, device=args.device, dtype=args.dtype, progress=log)
 
 
+def shipped_drafter_dir(target_name: str) -> Path:
+    """Where the package keeps the default drafter of a target (it may not ship one)."""
+    return Path(__file__).parent / "drafters" / target_name
+
+
 def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):
     """The drafter to use: --drafter DIR, else the drafter shipped for the bundled target, else None."""
     from .drafter import Drafter
@@ -46,7 +51,7 @@ def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):
         return None
     if drafter_arg:
         return Drafter.from_pretrained(drafter_arg, target=target)
-    shipped = Path(__file__).parent / "drafters" / DEFAULT_TARGET
+    shipped = shipped_drafter_dir(DEFAULT_TARGET)
     if target.name == DEFAULT_TARGET and (shipped / "config.json").exists():
         return Drafter.from_pretrained(shipped, target=target)
     return None

@@ -358,14 +358,15 @@ def _describe(module, module_name: str, name: str, check_origin: bool) -> _Stdli
                          sentence, signature, _source_snippet(value))
 
 
-_DEFAULT_REPR = re.compile(r"<(?:function|built-in function|class) ([\w.]+)(?: at 0x[0-9a-fA-F]+)?>")
+_ADDRESS = r" at 0x[0-9a-fA-F]+"
+_DEFAULT_REPR = re.compile(rf"<(?:function|built-in function|class) ([\w.]+)(?:{_ADDRESS})?>")
 
 
 def _stable_signature(signature: str) -> str:
     """Defaults shown by name, not by repr: `<function copy2 at 0x7f..>` differs in every process,
     and a prompt that differs between runs would make prepare-data's resume refuse its own output."""
     signature = _DEFAULT_REPR.sub(r"\1", signature)
-    return "" if re.search(r" at 0x[0-9a-fA-F]+", signature) else signature
+    return "" if re.search(_ADDRESS, signature) else signature
 
 
 def _first_sentence(doc: str) -> str | None:
