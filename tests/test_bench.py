@@ -6,10 +6,15 @@ import json
 import pytest
 
 from conftest import tiny_drafter
-from dominospec import SamplingConfig, bench
+from dominospec import SamplingConfig
+from dominospec.bench import report, runner
+from dominospec.cli import bench as bench_cli
+from dominospec.data.prompts import read_first_turns
+from dominospec.decode.cost import profile_verify_cost
 from dominospec.errors import DominoError
-from dominospec.metrics import (PromptRun, conditional_acceptance, first_difference, position_counts,
-                                summarize, tau, time_split, tokens_per_second, unconditional_acceptance)
+from dominospec.bench.metrics import (PromptRun, conditional_acceptance, first_difference, position_counts,
+                                      summarize, time_split, tokens_per_second, unconditional_acceptance)
+from dominospec.decode.result import tokens_per_cycle as tau
 
 METRIC_KEYS = {"tokens_per_s", "speedup", "tau", "accept_conditional", "accept_unconditional",
                "lossless_mismatches", "num_prompts", "new_tokens"}
@@ -101,14 +106,14 @@ def test_first_difference_counts_length_differences():
 def test_mismatches_are_counted_against_the_reference_per_prompt():
     runs = [run("ar", [1, 2, 3], dataset="x", idx=0), run("ar", [4, 5], dataset="y", idx=0),
             run("spec", [1, 2, 3], dataset="x", idx=0), run("spec", [4, 6], dataset="y", idx=0)]
-    out = bench.summarize_benchmark(runs, ["ar", "spec"], ["x", "y"], compare_outputs=True)
+    out = runner.summarize_benchmark(runs, ["ar", "spec"], ["x", "y"], compare_outputs=True)
     assert out["methods"]["ar"]["lossless_mismatches"] == 0
     assert out["methods"]["spec"]["lossless_mismatches"] == 1
     assert out["methods"]["spec"]["mismatched_prompts"] == [
         {"method": "spec", "dataset": "y", "prompt_index": 0, "first_diff": 1}]
     assert out["per_dataset"]["x"]["spec"]["lossless_mismatches"] == 0
     assert out["per_dataset"]["y"]["spec"]["lossless_mismatches"] == 1
-    sampled = bench.summarize_benchmark(runs, ["ar", "spec"], ["x", "y"], compare_outputs=False)
+    sampled = runner.summarize_benchmark(runs, ["ar", "spec"], ["x", "y"], compare_outputs=False)
     assert sampled["methods"]["spec"]["lossless_mismatches"] is None
 
 
@@ -120,12 +125,12 @@ DATASETS = {"alpha": [[1, 2, 3], [5, 9, 11, 2, 7, 8]], "beta": [[4, 4, 4, 4, 8, 
 def test_bench_end_to_end_layout_and_lossless_greedy(tmp_path, llama_target):
     drafters = [("tiny-domino", tiny_drafter(llama_target, head="domino", block_size=4)),
                 ("tiny-none", tiny_drafter(llama_target, head="none", block_size=3))]
-    methods, notes = bench.build_methods(bench.METHOD_GROUPS, drafters)
+    methods, notes = runner.build_methods(runner.METHOD_GROUPS, drafters)
     names = [m.name for m in methods]
     assert names == ["ar", "hf", "pld", "domino-2L-b4", "domino-2L-b4-nohead", "none-2L-b3"]
     assert any("none-2L-b3" in n and "ablation" in n for n in notes)
 
-    bench.benchmark(llama_target, DATASETS, methods, tmp_path, max_new_tokens=8, progress=False, notes=notes)
+    runner.benchmark(llama_target, DATASETS, methods, tmp_path, max_new_tokens=8, progress=False, notes=notes)
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res) == {"config", "methods", "per_dataset"}
     assert list(res["methods"]) == names and list(res["per_dataset"]) == ["alpha", "beta"]
@@ -146,16 +151,16 @@ def test_bench_end_to_end_layout_and_lossless_greedy(tmp_path, llama_target):
 
 
 def test_methods_are_interleaved_per_prompt(llama_target):
-    methods, _ = bench.build_methods(["ar", "hf"])
-    runs = bench.run_benchmark(llama_target, DATASETS, methods, max_new_tokens=3, warmup=False, progress=False)
+    methods, _ = runner.build_methods(["ar", "hf"])
+    runs = runner.run_benchmark(llama_target, DATASETS, methods, max_new_tokens=3, warmup=False, progress=False)
     prompts = [(r.dataset, r.prompt_index) for r in runs]
     assert prompts == [("alpha", 0)] * 2 + [("alpha", 1)] * 2 + [("beta", 0)] * 2
     assert [r.method for r in runs] == ["ar", "hf", "hf", "ar", "ar", "hf"]  # order rotates per prompt
 
 
 def test_sampling_bench_compares_no_outputs(tmp_path, llama_target):
-    methods, _ = bench.build_methods(["ar", "drafters"], [("d", tiny_drafter(llama_target, block_size=4))])
-    res = bench.benchmark(llama_target, {"alpha": DATASETS["alpha"]}, methods, tmp_path, max_new_tokens=8,
+    methods, _ = runner.build_methods(["ar", "drafters"], [("d", tiny_drafter(llama_target, block_size=4))])
+    res = runner.benchmark(llama_target, {"alpha": DATASETS["alpha"]}, methods, tmp_path, max_new_tokens=8,
                           sampling=SamplingConfig(temperature=0.8), progress=False, plots=False)
     assert all(m["lossless_mismatches"] is None for m in res["methods"].values())
     assert any("not compared" in n for n in res["config"]["notes"])
@@ -163,23 +168,23 @@ def test_sampling_bench_compares_no_outputs(tmp_path, llama_target):
 
 def test_method_selection_errors_and_notes(llama_target):
     with pytest.raises(DominoError, match="unknown"):
-        bench.parse_methods("ar,speculative")
-    methods, notes = bench.build_methods(["hf", "drafters"])
+        runner.parse_methods("ar,speculative")
+    methods, notes = runner.build_methods(["hf", "drafters"])
     assert [m.name for m in methods] == ["ar", "hf"]
     assert any("no drafter" in n for n in notes) and any("reference" in n for n in notes)
     d = tiny_drafter(llama_target, block_size=4)
-    methods, notes = bench.build_methods(["drafters"], [("a", d), ("b", d)], block_size=9)
+    methods, notes = runner.build_methods(["drafters"], [("a", d), ("b", d)], block_size=9)
     assert [m.name for m in methods] == ["ar", "domino-2L-b4", "b:domino-2L-b4"]
     assert methods[1].block_size == 4 and any("above" in n for n in notes)
 
 
 def test_bench_parser_defaults():
     parser = argparse.ArgumentParser()
-    bench.add_bench_parser(parser.add_subparsers())
+    bench_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "--prompts", "a.jsonl", "--prompts", "b.jsonl", "--out", "o"])
-    assert args.prompts == ["a.jsonl", "b.jsonl"] and args.methods == bench.DEFAULT_METHODS
+    assert args.prompts == ["a.jsonl", "b.jsonl"] and args.methods == runner.DEFAULT_METHODS
     assert (args.profile, args.context, args.max_k, args.temperature) == (False, 256, 16, 0.0)
-    assert args.func is bench.cmd_bench
+    assert args.func is bench_cli.cmd_bench
 
 
 def test_prompt_files_give_the_first_user_turn(tmp_path):
@@ -189,25 +194,25 @@ def test_prompt_files_give_the_first_user_turn(tmp_path):
             {"messages": [{"role": "user", "content": "msg"}, {"role": "assistant", "content": "y"}]},
             {"prompt": "plain"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert bench.read_first_turns(path) == ["first", "share", "msg", "plain"]
+    assert read_first_turns(path) == ["first", "share", "msg", "plain"]
     with pytest.raises(DominoError, match="no such file"):
-        bench.read_first_turns(tmp_path / "missing.jsonl")
+        read_first_turns(tmp_path / "missing.jsonl")
 
 
 # ----- verify cost profile -----
 
 def test_verify_cost_profile_layout(tmp_path, llama_target):
-    table = bench.profile_verify_cost(llama_target, context=16, max_k=4, repeats=2, progress=False)
-    bench.write_verify_cost(table, tmp_path)
+    table = profile_verify_cost(llama_target, context=16, max_k=4, repeats=2, progress=False)
+    report.write_verify_cost(table, tmp_path)
     data = json.loads((tmp_path / "verify_cost.json").read_text())
     assert {"device", "context", "k", "seconds", "relative_to_1", "sps"} <= set(data)
     assert data["k"] == [1, 2, 3, 4] and data["context"] == 16
     assert len(data["seconds"]) == len(data["relative_to_1"]) == len(data["sps"]) == 4
     assert data["relative_to_1"][0] == pytest.approx(1.0)
     assert data["sps"] == pytest.approx([1 / s for s in data["seconds"]])
-    assert "| 4 |" in bench.format_verify_cost(data)
+    assert "| 4 |" in report.format_verify_cost(data)
     with pytest.raises(DominoError, match="positions"):
-        bench.profile_verify_cost(llama_target, context=510, max_k=4, progress=False)
+        profile_verify_cost(llama_target, context=510, max_k=4, progress=False)
 
 
 # ----- the text + CLI layer on the bundled target -----

@@ -7,7 +7,7 @@ import torch
 
 from conftest import tiny_drafter, tiny_target
 from dominospec import SamplingConfig, generate_autoregressive, generate_speculative
-from dominospec.decoding import accept_rejection, warp_probs
+from dominospec.sampling import accept_rejection, warp_probs
 
 HEADS = ["none", "domino", "markov", "rnn"]
 PROMPTS = [[1, 2, 3], [5, 9, 11, 2, 7, 8, 30, 4, 4, 17]]
@@ -23,7 +23,7 @@ class OracleDrafter(torch.nn.Module):
     def __init__(self, drafter, reference: list[int], vocab: int):
         super().__init__()
         self.inner, self.ref, self.vocab = drafter, reference, vocab
-        self.config, self.head = drafter.config, drafter.head
+        self.config, self.head, self.confidence = drafter.config, drafter.head, None
 
     def new_cache(self):
         return self.inner.new_cache()
@@ -171,7 +171,7 @@ def test_rejection_sampling_preserves_target_distribution(sampling, draft_vocab)
 
 def test_sampling_distribution_test_detects_a_wrong_acceptance_rule(monkeypatch):
     """The chi-square test above has power: always accepting the drafts must fail it."""
-    import dominospec.decoding as dec
+    import dominospec.decode.single as dec
 
     def accept_all(drafts, draft_probs, target_probs, gen):
         return drafts.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=gen))

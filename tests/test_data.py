@@ -14,9 +14,11 @@ import pytest
 
 from conftest import tiny_target
 from dominospec import DominoError, Target
-from dominospec.data import (ChatCodec, PrepareConfig, SampleBuilder, load_dataset_dir, prepare_data,
-                             regenerate_batch)
-from dominospec.prompts import Conversation, builtin_prompts, load_hf_dataset, load_prompts, read_prompt_file
+from dominospec.data.builtin import builtin_prompts
+from dominospec.data.dataset import load_dataset_dir
+from dominospec.data.prepare import ChatCodec, PrepareConfig, SampleBuilder, prepare_data, regenerate_batch
+from dominospec.data.prompts import Conversation, load_hf_dataset, read_prompt_file
+from dominospec.data.sources import load_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +172,7 @@ def test_builtin_prompts_are_deterministic_and_prefix_stable():
 def test_builtin_prompts_are_identical_across_processes():
     """Protects resume: prompts must not embed anything process-specific (object addresses in
     stdlib signatures, hash order), or a restarted prepare-data refuses its own output."""
-    script = ("import hashlib, json; from dominospec.prompts import builtin_prompts; "
+    script = ("import hashlib, json; from dominospec.data.builtin import builtin_prompts; "
               "print(hashlib.sha256(json.dumps([c.turns for c in builtin_prompts(3000)]).encode()).hexdigest())")
     digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
@@ -331,7 +333,7 @@ def test_resume_after_kill_9_is_exactly_once_and_identical(target, tmp_path):
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import test_data as t
-from dominospec.data import prepare_data
+from dominospec.data.prepare import prepare_data
 
 class Slow(t.Wrapped):
     def sample_batch(self, *a, **k):

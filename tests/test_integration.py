@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 from dominospec import Drafter, DrafterConfig, Target, generate_autoregressive, generate_speculative
-from dominospec.cli import main, shipped_drafter_dir
+from dominospec.cli import main
+from dominospec.drafter import shipped_drafter_dir
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 
 from conftest import tiny_drafter, tiny_target
 from dominospec import DominoError, generate_speculative
-from dominospec.train import IGNORE, TrainConfig, Trainer, anchor_candidates, make_blocks, simulated_tau, validate_samples
+from dominospec.train.blocks import IGNORE, anchor_candidates, make_blocks, simulated_tau
+from dominospec.train.samples import validate_samples
+from dominospec.train.trainer import TrainConfig, Trainer
 from train_worker import synthetic_samples
 
 HERE = Path(__file__).parent
@@ -142,7 +144,7 @@ def test_bad_training_data_is_refused_before_anything_is_written(qwen3_target):
 
 
 def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
-    from dominospec.train import frequent_tokens
+    from dominospec.train.samples import frequent_tokens
 
     samples = [{"input_ids": [5, 5, 5, 7, 7, 9, 1], "loss_mask": [1, 1, 1, 1, 1, 0, 1]},
                {"input_ids": [9, 9, 9, 3], "loss_mask": [0, 0, 0, 1]}]  # 9 is only ever in prompts

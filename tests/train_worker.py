@@ -1,5 +1,6 @@
 """Run a small deterministic training job; used by test_train.py under 1 and 2 processes (torchrun)."""
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -9,7 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_drafter, tiny_target  # noqa: E402
 from dominospec import generate_autoregressive  # noqa: E402
-from dominospec.train import TrainConfig, Trainer, init_distributed  # noqa: E402
+from dominospec.train.distributed import init_distributed  # noqa: E402
+from dominospec.train.trainer import TrainConfig, Trainer  # noqa: E402
 
 
 def synthetic_samples(target, n=8, prompt_len=5, answer_len=24):
@@ -33,7 +35,11 @@ def main(out: str, steps: int, stop_after: int | None, resume: bool, head: str =
     trainer = Trainer(target, drafter, synthetic_samples(target), Path(out), cfg, dist=dist, progress=False)
     if resume:
         trainer.load_checkpoint()
-    trainer.fit(stop_after=stop_after)
+    def die_like_kill_9(step):  # no cleanup, no atexit: what a killed process leaves behind
+        if stop_after is not None and step >= stop_after:
+            os._exit(137)
+
+    trainer.fit(on_step=die_like_kill_9)
     if dist.world > 1:
         torch.distributed.destroy_process_group()
 

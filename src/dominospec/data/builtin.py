@@ -1,18 +1,6 @@
-"""Prompt sources for `prepare-data`: JSONL files, a Hugging Face dataset, and an offline built-in set.
+"""The built-in offline prompt source (`builtin` or `builtin:N` on the command line).
 
-Only the user turns are kept; the target writes every answer itself (on-policy data).
-
-JSONL layouts, one JSON object per line:
-    {"turns": ["user turn 1", "user turn 2"]}
-    {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}  (ShareGPT;
-        "role"/"content" keys work too; user/human turns are taken in order)
-    {"messages": [{"role": "user", "content": "..."}, ...]}  (OpenAI style; text parts are joined)
-    {"prompt": "..."}
-A malformed line (bad JSON, unknown layout, empty text) is reported as FILE:LINE on stderr and
-skipped, or stops the run with on_error="fatal"; the number skipped is reported per file.
-
-The built-in source (`builtin` or `builtin:N` on the command line) needs no network and is
-deterministic given a seed. It draws from what every Python machine has:
+It needs no network and is deterministic given a seed. It draws from what every Python machine has:
   * code (40%): public functions and classes of a fixed list of standard-library modules
     (`CODE_MODULES`): "write a function that <first docstring sentence>", "explain this source
     snippet", "what does `module.name` do?", unit tests, usage scripts, code review;
@@ -28,11 +16,9 @@ from __future__ import annotations
 
 import ast
 import gzip
-import hashlib
 import importlib
 import importlib.util
 import inspect
-import json
 import random
 import re
 import sys
@@ -41,187 +27,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
-from .errors import DominoError
+from .prompts import Conversation
 
 MAX_PROMPT_CHARS = 1500
-USER_ROLES = {"user", "human"}
 
-
-@dataclass(frozen=True)
-class Conversation:
-    """The user side of one conversation; `id` ("<source>:<index>") names it in the data set."""
-    turns: tuple[str, ...]
-    id: str
-
-
-# ----- JSONL files -----
-
-def user_turns(obj) -> list[str]:
-    """The user turns of one parsed line, in order; ValueError says why the line is unusable."""
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    if "turns" in obj:
-        turns = obj["turns"]
-        if not isinstance(turns, list):
-            raise ValueError('"turns" must be a list of strings')
-    elif "conversations" in obj or "messages" in obj:
-        key = "conversations" if "conversations" in obj else "messages"
-        if not isinstance(obj[key], list) or not all(isinstance(m, dict) for m in obj[key]):
-            raise ValueError(f'"{key}" must be a list of objects')
-        turns = [_message_text(m) for m in obj[key] if str(m.get("from", m.get("role", ""))).lower() in USER_ROLES]
-        if not turns:
-            raise ValueError(f'"{key}" has no user/human turn')
-    elif "prompt" in obj:
-        turns = [obj["prompt"]]
-    else:
-        raise ValueError(f"unknown layout: keys {sorted(obj)[:6]}, expected turns, conversations, "
-                         "messages or prompt")
-    if not turns:
-        raise ValueError("no user turns")
-    for i, t in enumerate(turns):
-        if not isinstance(t, str) or not t.strip():
-            raise ValueError(f"user turn {i + 1} is empty or not text")
-    return turns
-
-
-def _message_text(message: dict):
-    content = message.get("value", message.get("content"))
-    if isinstance(content, list):  # OpenAI content parts: keep the text ones
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content
-
-
-def read_prompt_file(path: str | Path, on_error: str = "skip", source: str | None = None,
-                     report=None) -> list[Conversation]:
-    """Conversations of a JSONL file; ids are "<source>:<line number>" (source: the file stem)."""
-    report = report or _log
-    path = Path(path)
-    if on_error not in ("skip", "fatal"):
-        raise DominoError(f"on_error must be 'skip' or 'fatal', got {on_error!r}")
-    if not path.is_file():
-        raise DominoError(f"prompt file {path}: no such file (use a JSONL file, builtin[:N] or hf:NAME)")
-    source = source or path.stem
-    conversations, skipped = [], 0
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                turns = user_turns(json.loads(line))
-            except (json.JSONDecodeError, ValueError) as exc:
-                reason = f"bad JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else str(exc)
-                if on_error == "fatal":
-                    raise DominoError(f"{path}:{lineno}: {reason}") from None
-                report(f"{path}:{lineno}: {reason}; line skipped")
-                skipped += 1
-                continue
-            conversations.append(Conversation(tuple(turns), f"{source}:{lineno}"))
-    if skipped:
-        report(f"{path}: skipped {skipped} malformed line(s), kept {len(conversations)}")
-    if not conversations:
-        raise DominoError(f"prompt file {path} has no usable prompts")
-    return conversations
-
-
-def load_hf_dataset(name: str, split: str = "train", on_error: str = "skip", report=None) -> list[Conversation]:
-    """Rows of a Hugging Face hub dataset in any layout `user_turns` reads (needs `datasets` and a hub)."""
-    report = report or _log
-    if importlib.util.find_spec("datasets") is None:
-        raise DominoError(f"hf:{name} needs the `datasets` package (pip install datasets) and access to the "
-                          "Hugging Face hub; offline, use a JSONL file or --prompts builtin")
-    import datasets
-
-    try:
-        rows = datasets.load_dataset(name, split=split)
-    except Exception as exc:  # datasets raises many types for "no network", "no such dataset", ...
-        raise DominoError(f"cannot load dataset {name!r} (split {split!r}) from the hub: "
-                          f"{type(exc).__name__}: {exc}") from None
-    conversations, skipped = [], 0
-    for index, row in enumerate(rows):
-        try:
-            conversations.append(Conversation(tuple(user_turns(row)), f"{name}:{index}"))
-        except ValueError as exc:
-            if on_error == "fatal":
-                raise DominoError(f"dataset {name} row {index}: {exc}") from None
-            skipped += 1
-    if skipped:
-        report(f"dataset {name}: skipped {skipped} unusable row(s), kept {len(conversations)}")
-    if not conversations:
-        raise DominoError(f"dataset {name!r} has no usable prompts")
-    return conversations
-
-
-# ----- command-line source specs -----
-
-def load_prompts(specs: list[str], seed: int = 0, limit: int | None = None, on_error: str = "skip",
-                 report=None) -> tuple[list[Conversation], list[dict]]:
-    """Resolve --prompts values (FILE, builtin[:N], hf:NAME[:SPLIT]) into conversations and source records.
-
-    Sources are concatenated in the order given; `limit` keeps the first N conversations overall.
-    """
-    conversations, sources, names = [], [], set()
-    for spec in specs:
-        if spec == "builtin" or spec.startswith("builtin:"):
-            n = _builtin_count(spec, limit)
-            convs, record = builtin_prompts(n, seed), {"spec": spec, "kind": "builtin", "seed": seed}
-        elif spec.startswith("hf:"):
-            name, _, split = spec[3:].partition(":")
-            convs, record = load_hf_dataset(name, split or "train", on_error, report), {"spec": spec, "kind": "hf"}
-        else:
-            path = Path(spec)
-            source = _unique_name(path.stem, names)
-            convs = read_prompt_file(path, on_error, source=source, report=report)
-            record = {"spec": spec, "kind": "file", "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-        names.update(c.id.rsplit(":", 1)[0] for c in convs)
-        record["conversations"] = len(convs)
-        conversations.extend(convs)
-        sources.append(record)
-    if limit is not None:
-        conversations = conversations[:limit]
-    ids = [c.id for c in conversations]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise DominoError(f"conversation id {dup!r} appears twice: give each prompt source once")
-    return conversations, sources
-
-
-def _builtin_count(spec: str, limit: int | None) -> int:
-    if spec == "builtin":
-        if limit is None:
-            raise DominoError("--prompts builtin needs a size: builtin:N, or pass --limit N")
-        return limit
-    try:
-        n = int(spec.split(":", 1)[1])
-    except ValueError:
-        raise DominoError(f"--prompts {spec!r}: expected builtin:N with an integer N") from None
-    if n < 1:
-        raise DominoError(f"--prompts {spec!r}: N must be at least 1")
-    return n
-
-
-def _unique_name(stem: str, taken: set[str]) -> str:
-    name, k = stem, 2
-    while name in taken:
-        name, k = f"{stem}-{k}", k + 1
-    return name
-
-
-def prompts_fingerprint(conversations: list[Conversation]) -> str:
-    """sha256 of the ordered conversations: two runs agree on it exactly when they see the same prompts."""
-    h = hashlib.sha256()
-    for c in conversations:
-        h.update(json.dumps([c.id, list(c.turns)], ensure_ascii=False).encode())
-        h.update(b"\n")
-    return h.hexdigest()
-
-
-def _log(msg: str) -> None:
-    from .cli import log
-
-    log(msg)
-
-
-# ----- the built-in offline source -----
 
 # Fixed so the built-in set is the same on every machine with the same Python version.
 CODE_MODULES = [

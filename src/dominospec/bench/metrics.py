@@ -1,21 +1,21 @@
 """Benchmark metrics: pure functions over per-prompt runs and their per-cycle records.
 
-Nothing here touches a model or a clock. `bench.py` turns each generation into a `PromptRun`
+Nothing here touches a model or a clock. `runner.py` turns each generation into a `PromptRun`
 and everything reported (tokens/s, speedup, tau, acceptance by block position, where the
 time goes, losslessness) is computed from those records, so each number can be checked on
 hand-made records in a unit test.
 
-Two per-cycle lists carry different facts (method.md §1):
-  accepted[i]  = drafts the target accepted in cycle i: the verification outcome, not cut by
-                 EOS or the token budget. Acceptance by position is computed from it.
-  committed[i] = tokens actually committed in cycle i (accepted drafts + bonus, then cut at
-                 EOS / max-new-tokens). tau is computed from it.
+The per-cycle lists `accepted` and `committed` mean what they mean in decode/result.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+from ..decode.result import tokens_per_cycle
+
+REFERENCE = "ar"  # plain decoding: what speedup and losslessness are measured against
 
 
 @dataclass
@@ -81,11 +81,6 @@ def unconditional_acceptance(accepted: Sequence[int], block_size: int) -> list[f
     _, passed = position_counts(accepted, block_size)
     n = len(accepted)
     return [p / n if n else None for p in passed]
-
-
-def tau(committed: Sequence[int]) -> float:
-    """Tokens committed per cycle, bonus included; 1.0 for a method without cycles (one token per step)."""
-    return sum(committed) / len(committed) if committed else 1.0
 
 
 # ----- speed -----
@@ -165,7 +160,7 @@ def summarize(runs: Sequence[PromptRun], reference_tps: float | None = None,
     diff = mismatches(runs, reference_tokens) if reference_tokens is not None else None
     out = {"tokens_per_s": tps,
            "speedup": speedup(tps, reference_tps),
-           "tau": tau(committed),
+           "tau": tokens_per_cycle(committed),
            "accept_conditional": conditional_acceptance(accepted, block) if block else [],
            "accept_unconditional": unconditional_acceptance(accepted, block) if block else [],
            "lossless_mismatches": None if diff is None else len(diff),

@@ -1,0 +1,199 @@
+"""Benchmark output for people: markdown tables, the report, and plots (matplotlib is optional)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..io import atomic_path, write_json_atomic
+from .metrics import REFERENCE
+
+
+def format_verify_cost(table: dict) -> str:
+    lines = [f"verify cost of {table.get('target', 'the target')} on {table['device']}, context {table['context']} "
+             f"(median of {table.get('repeats', '?')}):", "",
+             "| k new tokens | ms | x one token | verify steps/s | min ms | min x one token |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    mins = table.get("min_seconds") or [None] * len(table["k"])
+    min_rel = table.get("min_relative_to_1") or [None] * len(table["k"])
+    for k, s, r, sps, m, mr in zip(table["k"], table["seconds"], table["relative_to_1"], table["sps"], mins, min_rel):
+        lines.append(f"| {k} | {1e3 * s:.1f} | {r:.2f} | {sps:.1f} | {_f(m and 1e3 * m, 1)} | {_f(mr)} |")
+    return "\n".join(lines)
+
+
+# ----- report -----
+
+def _f(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def format_method_table(methods: dict) -> str:
+    lines = ["| method | tok/s | speedup | tau | mismatches | prompts | new tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, m in methods.items():
+        mm = "-" if m["lossless_mismatches"] is None else str(m["lossless_mismatches"])
+        lines.append(f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | {mm} | "
+                     f"{m['num_prompts']} | {m['new_tokens']} |")
+    return "\n".join(lines)
+
+
+def format_acceptance_table(methods: dict, key: str) -> str:
+    with_cycles = {n: m for n, m in methods.items() if m[key]}
+    if not with_cycles:
+        return "(no speculative method ran)"
+    width = max(len(m[key]) for m in with_cycles.values())
+    lines = ["| method | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |",
+             "|---|" + "---:|" * width]
+    for name, m in with_cycles.items():
+        cells = [_f(v) for v in m[key]] + [""] * (width - len(m[key]))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_time_table(methods: dict) -> str:
+    lines = ["| method | prefill ms/prompt | draft ms/cycle | verify ms/cycle | other host ms/cycle | ms/token |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, m in methods.items():
+        lines.append(f"| {name} | {_f(m['prefill_ms_per_prompt'], 1)} | {_f(m['draft_ms_per_cycle'], 1)} | "
+                     f"{_f(m['verify_ms_per_cycle'], 1)} | {_f(m['host_ms_per_cycle'], 1)} | "
+                     f"{_f(m['ms_per_token'], 1)} |")
+    return "\n".join(lines)
+
+
+def render_report(results: dict, plots: bool = False) -> str:
+    cfg = results["config"]
+    sampling = "greedy (T=0)" if cfg["temperature"] == 0 else (
+        f"T={cfg['temperature']}, top-p {cfg['top_p']}, top-k {cfg['top_k'] or 'off'}")
+    parts = ["# dominospec bench", "",
+             f"Target `{cfg['target']}` on {cfg['device']} ({cfg['dtype']}), {sampling}, "
+             f"max {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}. Datasets: "
+             + ", ".join(f"{d} ({n} prompts)" for d, n in cfg["datasets"].items()) + ". "
+             "All methods ran in one process, after a warm-up, interleaved per prompt; speedup is "
+             "tokens/s over `ar` (plain decoding through the same adapter) on the same prompts; tau counts the "
+             "bonus token (1.0 for methods without draft cycles).", "",
+             "## Overall", "", format_method_table(results["methods"]), ""]
+    for ds, methods in results["per_dataset"].items():
+        parts += [f"## {ds}", "", format_method_table(methods), ""]
+    parts += ["## Acceptance by block position", "",
+              "Conditional: P(draft k accepted | drafts 1..k-1 accepted); '-' where position k was never reached.", "",
+              format_acceptance_table(results["methods"], "accept_conditional"), "",
+              "Unconditional: P(drafts 1..k all accepted), over all cycles.", "",
+              format_acceptance_table(results["methods"], "accept_unconditional"), ""]
+    parts += ["## Where the time goes", "",
+              "Per cycle: draft (backbone + head rollout), verify (one target forward over the block, acceptance, "
+              "target cache rollback, and the drafter's context-cache update), other host (the rest of the loop: "
+              "total - prefill - draft - verify). Per-token latency is (draft + verify + other) / tau. "
+              "hf and pld run inside transformers, so only their total is known.", "",
+              format_time_table(results["methods"]), ""]
+    ar = results["methods"].get(REFERENCE, {})
+    step = ar.get("decode_ms_per_step")
+    if step:
+        rows = [f"- {n}: verify = {m['verify_ms_per_cycle'] / step:.2f} decode steps, draft = "
+                f"{m['draft_ms_per_cycle'] / step:.2f} decode steps per cycle; break-even tau = "
+                f"{(m['draft_ms_per_cycle'] + m['verify_ms_per_cycle'] + m['host_ms_per_cycle']) / step:.2f}"
+                for n, m in results["methods"].items() if m.get("verify_ms_per_cycle")]
+        parts += [f"One plain decode step (ar) costs {step:.1f} ms."] + ([""] + rows if rows else []) + [""]
+    mism = [x for m in results["methods"].values() for x in m.get("mismatched_prompts", [])]
+    parts += ["## Losslessness", ""]
+    if cfg["temperature"] != 0:
+        parts.append("Not compared at T > 0 (outputs are samples); see the notes.")
+    elif not mism:
+        parts.append("Every method's greedy output is token-identical to `ar` on every prompt.")
+    else:
+        parts += ["Outputs that differ from `ar` (prompt index within its dataset, first differing token):", ""]
+        parts += [f"- {x['method']}: {x['dataset']} #{x['prompt_index']}, token {x['first_diff']}" for x in mism]
+    parts.append("")
+    if cfg.get("notes"):
+        parts += ["## Notes", ""] + [f"- {n}" for n in cfg["notes"]] + [""]
+    if plots:
+        parts += ["## Plots", "", "![acceptance by position](acceptance.png)", "",
+                  "![speedup per dataset](speedup.png)", ""]
+    return "\n".join(parts)
+
+
+# ----- plots (optional: matplotlib may be missing) -----
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+
+
+def write_plots(results: dict, out: Path) -> list[Path] | None:
+    """acceptance.png and speedup.png; None when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    spec = {n: m for n, m in results["methods"].items() if m["accept_unconditional"]}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "accept_conditional", "P(accept k | 1..k-1 accepted)"),
+                           (axes[1], "accept_unconditional", "P(1..k all accepted)")):
+        for name, m in spec.items():
+            ks = [k for k, v in enumerate(m[key], 1) if v is not None]
+            ax.plot(ks, [m[key][k - 1] for k in ks], marker="o", label=name)
+        width = max((len(m[key]) for m in spec.values()), default=1)
+        ax.set_xticks(range(1, width + 1))
+        ax.set_xlim(0.5, width + 0.5)
+        ax.set_xlabel("block position k")
+        ax.set_title(title)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    if spec:
+        axes[1].legend(fontsize=8)
+    else:
+        axes[0].text(0.5, 0.5, "no speculative method ran", ha="center", transform=axes[0].transAxes)
+    _save(fig, out / "acceptance.png")
+    plt.close(fig)
+
+    groups = list(results["per_dataset"]) + ["overall"]
+    tables = [results["per_dataset"][g] for g in groups[:-1]] + [results["methods"]]
+    names = list(results["methods"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) * max(1, len(names)) / 2), 4))
+    width = 0.8 / max(1, len(names))
+    for j, name in enumerate(names):
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(groups))]
+        ax.bar(xs, [t[name]["speedup"] or 0.0 for t in tables], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("speedup over ar (tokens/s)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    _save(fig, out / "speedup.png")
+    plt.close(fig)
+    return [out / "acceptance.png", out / "speedup.png"]
+
+
+def plot_verify_cost(table: dict, path: Path) -> bool:
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(table["k"], table["relative_to_1"], marker="o", label="median")
+    if table.get("min_relative_to_1"):
+        ax.plot(table["k"], table["min_relative_to_1"], marker=".", linestyle="--", label="fastest")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("new tokens in one target forward (drafts + 1)")
+    ax.set_ylabel("cost relative to 1 token")
+    ax.set_title(f"verify cost, context {table['context']}, {table['device']}", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    _save(fig, Path(path))
+    plt.close(fig)
+    return True
+
+
+def write_verify_cost(table: dict, out_dir, plots: bool = True) -> None:
+    """DIR/verify_cost.json (and verify_cost.png)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "verify_cost.json", table, indent=2)
+    if plots:
+        plot_verify_cost(table, out / "verify_cost.png")

@@ -1,0 +1,254 @@
+"""The benchmark runner: speed, tau, acceptance by position and losslessness, per dataset.
+
+Layers, bottom up:
+  run_benchmark(target, datasets, methods)  token-id prompts in, one PromptRun per (prompt, method)
+  summarize_benchmark(runs, ...)            metrics.py numbers per method, overall and per dataset
+  benchmark(..., out_dir)                   both, plus results.json, runs.jsonl, report.md, plots
+
+Fairness rules: every method runs on the same prompts in the same process,
+after one uncounted warm-up per method, interleaved per prompt (for each prompt, every method,
+in an order rotated by one each prompt) so machine noise and cache warmth hit all alike.
+`ar` (plain decoding through the same adapter) is the reference for speedup and, at T=0,
+for losslessness.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..data.prompts import read_first_turns
+from ..decode import generate_autoregressive, generate_speculative
+from ..devices import describe_device, synchronize
+from ..errors import DominoError
+from ..io import write_atomic, write_json_atomic
+from ..sampling import SamplingConfig
+from ..version import __version__
+from .metrics import REFERENCE, PromptRun, summarize, tokens_per_second
+from .report import render_report, write_plots
+
+METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation")
+DEFAULT_METHODS = ",".join(METHOD_GROUPS)
+PROMPT_LOOKUP_TOKENS = 10
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class Method:
+    """One way of decoding that the benchmark times."""
+    name: str
+    kind: str                  # "ar" | "hf" | "pld" | "drafter"
+    drafter: object = None     # a Drafter, for kind "drafter"
+    use_head: bool = True      # False: the ablation (base logits only)
+    block_size: int | None = None
+    source: str = ""           # where the drafter came from
+
+    def describe(self) -> dict:
+        d = {"name": self.name, "kind": self.kind}
+        if self.kind == "drafter":
+            c = self.drafter.config
+            d.update(source=self.source, head=c.head if self.use_head else "none (ablation)",
+                     layers=c.num_layers, block_size=self.block_size or c.block_size)
+        if self.kind == "pld":
+            d["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+        return d
+
+
+def parse_methods(spec: str) -> list[str]:
+    groups = [g.strip() for g in spec.split(",") if g.strip()]
+    bad = [g for g in groups if g not in METHOD_GROUPS]
+    if bad or not groups:
+        raise DominoError(f"--methods {spec!r}: unknown {bad}; choose from {','.join(METHOD_GROUPS)}")
+    return list(dict.fromkeys(groups))
+
+
+def drafter_label(drafter, block_size: int | None = None) -> str:
+    """e.g. domino-2L-b8: head, backbone layers, drafts per cycle."""
+    c = drafter.config
+    return f"{c.head}-{c.num_layers}L-b{block_size or c.block_size}"
+
+
+def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] = (),
+                  block_size: int | None = None) -> tuple[list[Method], list[str]]:
+    """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
+
+    `ar` is always included: it is the reference everything else is compared with.
+    """
+    notes: list[str] = []
+    methods = [Method(REFERENCE, "ar")]
+    if REFERENCE not in groups:
+        notes.append("ar added: it is the reference for speedup and losslessness")
+    if "hf" in groups:
+        methods.append(Method("hf", "hf"))
+    if "pld" in groups:
+        methods.append(Method("pld", "pld"))
+    if ("drafters" in groups or "ablation" in groups) and not drafters:
+        notes.append("no drafter given and none is shipped for this target: drafter methods skipped "
+                     "(pass --drafter DIR)")
+    seen: set[str] = set()
+    for source, d in drafters:
+        b = block_size
+        if b is not None and b > d.config.block_size:
+            notes.append(f"{source}: --block-size {b} is above the drafter's {d.config.block_size}; using "
+                         f"{d.config.block_size}")
+            b = d.config.block_size
+        name = drafter_label(d, b)
+        if name in seen:  # two drafters with the same shape: tell them apart by directory
+            name = f"{Path(source).name}:{name}"
+        seen.add(name)
+        if "drafters" in groups:
+            methods.append(Method(name, "drafter", d, True, b, source))
+        if "ablation" in groups:
+            if d.config.head == "none":
+                notes.append(f"{name}: no ablation, its head is already 'none'")
+            else:
+                methods.append(Method(f"{name}-nohead", "drafter", d, False, b, source))
+    return methods, notes
+
+
+
+# ----- running -----
+
+def run_one(target, method: Method, prompt_ids: Sequence[int], max_new_tokens: int,
+            sampling: SamplingConfig, seed: int, dataset: str = "", prompt_index: int = 0) -> PromptRun:
+    """Decode one prompt with one method and time it."""
+    if method.kind == "ar":
+        res = generate_autoregressive(target, prompt_ids, max_new_tokens, sampling, seed)
+        return PromptRun.from_generation(res, method.name, dataset, prompt_index)
+    if method.kind == "drafter":
+        res = generate_speculative(target, method.drafter, prompt_ids, max_new_tokens, sampling, seed,
+                                   block_size=method.block_size, use_head=method.use_head)
+        return PromptRun.from_generation(res, method.name, dataset, prompt_index)
+    if method.kind in ("hf", "pld"):
+        if not sampling.greedy:
+            torch.manual_seed(seed)
+        synchronize(target.device)
+        t0 = time.perf_counter()
+        tokens = target.hf_generate(list(prompt_ids), max_new_tokens, sampling.temperature, sampling.top_k,
+                                    sampling.top_p, prompt_lookup=PROMPT_LOOKUP_TOKENS if method.kind == "pld" else 0)
+        synchronize(target.device)
+        return PromptRun(method.name, dataset, prompt_index, list(tokens), time.perf_counter() - t0)
+    raise ValueError(f"unknown method kind {method.kind!r}")
+
+
+def run_benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequence[Method],
+                  max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                  warmup: bool = True, progress: bool = True) -> list[PromptRun]:
+    """Every method on every token-id prompt, interleaved per prompt; one PromptRun each."""
+    from tqdm import tqdm
+
+    flat = [(ds, i, ids) for ds, prompts in datasets.items() for i, ids in enumerate(prompts)]
+    if not flat:
+        raise DominoError("no prompts to benchmark")
+    if warmup:  # uncounted: first calls pay for allocator growth, kernel selection, lazy imports
+        for m in methods:
+            run_one(target, m, flat[0][2], min(max_new_tokens, WARMUP_TOKENS), sampling, seed)
+    runs: list[PromptRun] = []
+    bar = tqdm(total=len(flat) * len(methods), desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
+    try:
+        for n, (ds, i, ids) in enumerate(flat):
+            shift = n % len(methods)  # rotate the order so no method always runs first or last
+            for m in list(methods[shift:]) + list(methods[:shift]):
+                bar.set_postfix_str(f"{ds}#{i} {m.name}", refresh=False)
+                # one seed per prompt, shared by all methods
+                runs.append(run_one(target, m, ids, max_new_tokens, sampling, seed + n, ds, i))
+                bar.update()
+    finally:
+        bar.close()
+    return runs
+
+
+def summarize_benchmark(runs: Sequence[PromptRun], method_names: Sequence[str], dataset_names: Sequence[str],
+                        compare_outputs: bool) -> dict:
+    """{"methods": {NAME: summary}, "per_dataset": {DATASET: {NAME: summary}}} (metrics.summarize)."""
+    ref_tokens = ({(r.dataset, r.prompt_index): r.tokens for r in runs if r.method == REFERENCE}
+                  if compare_outputs else None)
+
+    def group(selected: list[PromptRun]) -> dict:
+        ref = [r for r in selected if r.method == REFERENCE]
+        ref_tps = tokens_per_second((r.new_tokens for r in ref), (r.total_s for r in ref)) if ref else None
+        return {name: summarize([r for r in selected if r.method == name], ref_tps, ref_tokens)
+                for name in method_names}
+
+    overall = group(list(runs))
+    per_dataset = {}
+    for ds in dataset_names:
+        per_dataset[ds] = group([r for r in runs if r.dataset == ds])
+        for summary in per_dataset[ds].values():
+            summary.pop("mismatched_prompts", None)  # listed once, in the overall summary
+    return {"methods": overall, "per_dataset": per_dataset}
+
+
+def benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequence[Method], out_dir,
+              max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+              warmup: bool = True, progress: bool = True, plots: bool = True, notes: Sequence[str] = (),
+              config: dict | None = None) -> dict:
+    """Run, summarise and write DIR/results.json, runs.jsonl, report.md and plots; returns the results."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = list(notes)
+    t0 = time.time()
+    runs = run_benchmark(target, datasets, methods, max_new_tokens, sampling, seed, warmup, progress)
+    compare = sampling.greedy
+    if not compare:
+        notes.append(f"T={sampling.temperature} > 0: outputs are not compared with ar (lossless_mismatches is "
+                     "null); distribution preservation is tested in tests/test_core.py")
+    summary = summarize_benchmark(runs, [m.name for m in methods], list(datasets), compare)
+    cfg = {"target": getattr(target, "name", "model"), "device": describe_device(target.device),
+           "dtype": str(target.dtype).replace("torch.", ""), "max_new_tokens": max_new_tokens,
+           "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": seed,
+           "reference": REFERENCE, "warmup": warmup, "interleaved": True,
+           "methods": [m.describe() for m in methods],
+           "datasets": {ds: len(p) for ds, p in datasets.items()},
+           "versions": _versions(), "wall_s": round(time.time() - t0, 2), "notes": notes}
+    cfg.update(config or {})
+    results = {"config": cfg, "methods": summary["methods"], "per_dataset": summary["per_dataset"]}
+
+    write_json_atomic(out / "results.json", results, indent=2)
+    write_atomic(out / "runs.jsonl", "".join(json.dumps(
+        {"method": r.method, "dataset": r.dataset, "prompt_index": r.prompt_index, "new_tokens": r.new_tokens,
+         "total_s": r.total_s, "prefill_s": r.prefill_s, "draft_s": r.draft_s, "verify_s": r.verify_s,
+         "accepted": r.accepted, "committed": r.committed, "tokens": r.tokens}) + "\n" for r in runs))
+    made = write_plots(results, out) if plots else None
+    if plots:
+        if made is None:
+            cfg["notes"].append("matplotlib is not installed: no plots (pip install matplotlib)")
+            write_json_atomic(out / "results.json", results, indent=2)
+    write_atomic(out / "report.md", render_report(results, plots=made is not None))
+    return results
+
+
+def _versions() -> dict:
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"dominospec": __version__, "torch": torch.__version__, "transformers": installed("transformers"),
+            "python": platform.python_version()}
+
+
+# ----- prompt files -----
+
+def load_prompt_sets(paths: Sequence[str], target, limit: int | None = None) -> dict[str, list[list[int]]]:
+    """One dataset per file, named after its stem; prompts chat-templated into token ids."""
+    datasets: dict[str, list[list[int]]] = {}
+    for p in paths:
+        prompts = read_first_turns(p)[:limit] if limit else read_first_turns(p)
+        if not prompts:
+            raise DominoError(f"--prompts {p}: no prompts found (expected JSONL with 'turns', 'conversations', "
+                              "'messages' or 'prompt')")
+        name, n = Path(p).stem, 2
+        while name in datasets:
+            name, n = f"{Path(p).stem}-{n}", n + 1
+        datasets[name] = [target.encode_chat(text) for text in prompts]
+    return datasets
+

@@ -1,0 +1,43 @@
+"""The `dominospec` command line: one module per subcommand, each thin (parse, call the library, print).
+
+Nothing outside this package imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import DominoError
+from ..version import __version__
+from . import bench, generate, init, prepare, train
+
+SUBCOMMANDS = [generate, init, prepare, train, bench]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dominospec", description="Domino speculative decoding for Hugging Face "
+                                     "causal LMs: faster generation, identical output.")
+    parser.add_argument("--version", action="version", version=f"dominospec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in SUBCOMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DominoError as exc:
+        print(f"dominospec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dominospec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

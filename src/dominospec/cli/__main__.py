@@ -1,0 +1,7 @@
+"""`python -m dominospec.cli ...` (what torchrun starts)."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,116 @@
+"""`dominospec bench`: every method on the same prompts, side by side; and the verify-cost profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
+from ..bench.runner import (
+    DEFAULT_METHODS,
+    benchmark,
+    build_methods,
+    load_prompt_sets,
+    parse_methods,
+)
+from ..decode.cost import profile_verify_cost
+from ..errors import DominoError
+from ..log import log
+from ..sampling import SamplingConfig
+from .common import (
+    add_sampling_args,
+    add_target_args,
+    resolve_drafter,
+    target_from_args,
+)
+
+
+def cmd_bench(args) -> int:
+    if not args.prompts and not args.profile:
+        raise DominoError("nothing to do: give --prompts FILE.jsonl (one or more), --profile, or both")
+    for name in ("max_new_tokens", "limit", "block_size", "context", "max_k", "repeats", "threads"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise DominoError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    groups = parse_methods(args.methods)
+    for p in args.prompts:
+        if not Path(p).is_file():
+            raise DominoError(f"--prompts {p}: no such file")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = target_from_args(args)
+    out = Path(args.out)
+
+    if args.profile:
+        log(f"profiling verify cost: 1..{args.max_k} new tokens after a {args.context}-token context, "
+            f"median of {args.repeats}")
+        table = profile_verify_cost(target, args.context, args.max_k, args.repeats, args.seed)
+        write_verify_cost(table, out, plots=not args.no_plots)
+        print(format_verify_cost(table))
+        log(f"wrote {out / 'verify_cost.json'}")
+    if not args.prompts:
+        return 0
+
+    drafters = []
+    if args.drafter:
+        drafters = [(d, resolve_drafter(target, d)) for d in args.drafter]
+    elif "drafters" in groups or "ablation" in groups:
+        shipped = resolve_drafter(target, None)
+        if shipped is not None:
+            drafters = [("shipped default", shipped)]
+    methods, notes = build_methods(groups, drafters, args.block_size)
+    for n in notes:
+        log(n)
+    datasets = load_prompt_sets(args.prompts, target, args.limit)
+    log(f"benchmarking {', '.join(m.name for m in methods)} on "
+        + ", ".join(f"{d} ({len(p)})" for d, p in datasets.items()))
+    results = benchmark(target, datasets, methods, out, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                        seed=args.seed, warmup=not args.no_warmup, plots=not args.no_plots, notes=notes,
+                        config={"prompt_files": [str(p) for p in args.prompts], "limit": args.limit,
+                                "block_size": args.block_size})
+    for m in results["methods"].values():
+        for x in m.get("mismatched_prompts", []):
+            log(f"MISMATCH {x['method']}: {x['dataset']} prompt {x['prompt_index']} differs from ar at token "
+                f"{x['first_diff']}")
+    print(format_method_table(results["methods"]))
+    log(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="benchmark speedup, tau, acceptance and losslessness against plain decoding",
+        description="Run plain decoding (ar, the reference), transformers generate (hf), prompt lookup (pld) and "
+                    "each drafter with and without its sequential head on the same prompts, interleaved per prompt "
+                    "after a warm-up; write DIR/results.json, report.md and plots. With --profile, also measure "
+                    "the target's verify cost for 1..K new tokens (DIR/verify_cost.json).")
+    p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
+                   help="prompt file (repeatable); one dataset per file, named after its stem; the first user turn "
+                        "of each conversation is the prompt")
+    add_target_args(p)
+    p.add_argument("--drafter", action="append", default=[], metavar="DIR",
+                   help="drafter directory (repeatable; default: the one shipped for the bundled target)")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma list of ar, hf, pld, drafters, ablation (drafters without their head) "
+                        "(default %(default)s)")
+    p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument("--block-size", type=int, default=None, help="drafts per cycle (default: each drafter's own)")
+    add_sampling_args(p)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; on a shared machine, fewer threads "
+                        "than busy cores gives steadier timings)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up run of each method")
+    p.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    g = p.add_argument_group("verify cost profile")
+    g.add_argument("--profile", action="store_true",
+                   help="measure one target forward over k = 1..K new tokens after a cached context "
+                        "(the cost table a scheduler uses); runs before the benchmark when --prompts is given too")
+    g.add_argument("--context", type=int, default=256, help="context length for --profile (default %(default)s)")
+    g.add_argument("--max-k", type=int, default=16, help="largest k for --profile (default %(default)s)")
+    g.add_argument("--repeats", type=int, default=7, help="timed repeats per k; the median is kept "
+                                                            "(default %(default)s)")
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,61 @@
+"""Arguments several subcommands share, and turning them into library objects."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..drafter import HEADS, Drafter, shipped_drafter_dir
+from ..log import log
+from ..target import DEFAULT_TARGET, Target, parse_layer_ids
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"HF hub id, local model directory, or the bundled alias (default: {DEFAULT_TARGET})")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+
+
+def add_arch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", default="domino", choices=list(HEADS), help="sequential head (default %(default)s)")
+    p.add_argument("--layers", type=int, default=2, help="draft backbone layers (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=8, help="draft slots per block (default %(default)s)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
+    p.add_argument("--gru-hidden-size", type=int, default=256, help="Domino GRU width (default %(default)s)")
+    p.add_argument("--rank", type=int, default=64, help="low-rank correction rank (default %(default)s)")
+    p.add_argument("--confidence-head", action="store_true", help="add a DSpark confidence head")
+    p.add_argument("--mask-token-id", type=int, default=None,
+                   help="an unused vocabulary id as MASK (default: a learned mask vector)")
+    p.add_argument("--layer-ids", default=None, help="target feature layers, e.g. 1,8,14,20,27 (default: evenly spaced)")
+
+
+def arch_from_args(args, target) -> dict:
+    """DrafterConfig fields from --head/--layers/...; --layer-ids also sets the target's feature layers."""
+    if args.layer_ids:
+        target.layer_ids = parse_layer_ids(args.layer_ids, target.num_layers)
+    return dict(head=args.head, num_layers=args.layers, block_size=args.block_size,
+                intermediate_size=args.intermediate_size, gru_hidden_size=args.gru_hidden_size, rank=args.rank,
+                confidence_head=args.confidence_head, mask_token_id=args.mask_token_id)
+
+
+def target_from_args(args):
+    return Target.load(args.target, device=args.device, dtype=args.dtype, progress=log)
+
+
+def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):
+    """The drafter to use: --drafter DIR, else the drafter shipped for the bundled target, else None."""
+    if no_draft:
+        return None
+    if drafter_arg:
+        return Drafter.from_pretrained(drafter_arg, target=target)
+    shipped = shipped_drafter_dir(DEFAULT_TARGET)
+    if target.name == DEFAULT_TARGET and (shipped / "config.json").exists():
+        return Drafter.from_pretrained(shipped, target=target)
+    return None

@@ -1,0 +1,69 @@
+"""`dominospec generate`: one reply, streamed, with speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..decode import generate_autoregressive, generate_speculative
+from ..log import log
+from ..sampling import SamplingConfig
+from .common import (
+    add_sampling_args,
+    add_target_args,
+    resolve_drafter,
+    target_from_args,
+)
+
+
+def cmd_generate(args) -> int:
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    target = target_from_args(args)
+    drafter = resolve_drafter(target, args.drafter, args.no_draft)
+    if drafter is None and not args.no_draft:
+        log("no drafter given and none is shipped for this target: plain decoding "
+            "(train one with `dominospec train`, or pass --drafter DIR)")
+    prompt_ids = target.encode_raw(args.prompt) if args.raw else target.encode_chat(args.prompt)
+    stream = None
+    if not args.json:
+        shown = {"ids": [], "printed": 0}
+
+        def stream(tokens):
+            shown["ids"].extend(tokens)
+            text = target.decode(shown["ids"])
+            sys.stdout.write(text[shown["printed"]:])
+            sys.stdout.flush()
+            shown["printed"] = len(text)
+    if drafter is None:
+        res = generate_autoregressive(target, prompt_ids, args.max_new_tokens, sampling, args.seed, on_tokens=stream)
+    else:
+        res = generate_speculative(target, drafter, prompt_ids, args.max_new_tokens, sampling, args.seed,
+                                   block_size=args.block_size, on_tokens=stream)
+    text = target.decode(res.tokens)
+    if args.json:
+        print(json.dumps(res.to_dict(text)))
+        return 0
+    tau = f", tau {res.tau:.2f} over {res.cycles} cycles (block {res.block_size})" if res.cycles else ""
+    mode = "speculative" if drafter is not None else "plain"
+    print(f"\n\n[{mode}] {res.new_tokens} tokens in {res.total_s:.2f}s = {res.tokens_per_s:.1f} tok/s{tau}",
+          file=sys.stderr)
+    if res.cycles:
+        print(f"[{mode}] draft {res.draft_s:.2f}s, verify {res.verify_s:.2f}s, prefill {res.prefill_s:.2f}s; "
+              f"accepted per position {res.accepted_per_position}", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with speculative decoding",
+                       description="Generate a reply to PROMPT (chat template applied) with Domino speculative "
+                                   "decoding; prints the text, tokens/s and tau.")
+    p.add_argument("prompt", help="the user message")
+    add_target_args(p)
+    p.add_argument("--drafter", help="drafter directory (default: the one shipped for the bundled target)")
+    p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--block-size", type=int, default=None, help="draft tokens per cycle (at most the drafter's)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)

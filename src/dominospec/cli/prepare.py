@@ -1,0 +1,50 @@
+"""`dominospec prepare-data`: prompts in, the target's own answers out (training data)."""
+
+from __future__ import annotations
+
+from ..data.prepare import SHARD_BATCHES, PrepareConfig, prepare_data
+from ..data.sources import load_prompts
+from ..errors import DominoError
+from ..log import log
+from .common import add_target_args, target_from_args
+
+
+def cmd_prepare(args) -> int:
+    shard_size = args.shard_size or SHARD_BATCHES * args.batch_size
+    cfg = PrepareConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed, batch_size=args.batch_size, shard_size=shard_size)
+    if args.limit is not None and args.limit < 1:
+        raise DominoError(f"--limit must be at least 1, got {args.limit}")
+    conversations, sources = load_prompts(args.prompts, seed=args.seed, limit=args.limit,
+                                          on_error=args.on_error, report=log)
+    turns = sum(len(c.turns) for c in conversations)
+    log(f"{len(conversations)} conversations ({turns} user turns) from {len(sources)} source(s)")
+    target = target_from_args(args)
+    prepare_data(target, conversations, args.out, cfg, sources=sources)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "prepare-data", help="regenerate prompts' answers with the target (on-policy training data)",
+        description="Let TARGET answer every user turn of the prompts (chat template, thinking off, sampled) "
+                    "and write token ids with an assistant-only loss mask to OUT, ready for `dominospec train`. "
+                    "Killed runs resume where they stopped when rerun with the same arguments.")
+    add_target_args(p)
+    p.add_argument("--prompts", action="append", required=True, metavar="SOURCE",
+                   help="a JSONL file (turns / ShareGPT conversations / messages / prompt layouts), "
+                        "builtin:N (offline prompts from the Python stdlib, math templates, man pages) or "
+                        "hf:NAME[:SPLIT]; repeat to mix sources")
+    p.add_argument("--out", required=True, help="output directory (created; an existing one is resumed)")
+    p.add_argument("--limit", type=int, default=None, help="keep the first N conversations overall")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default %(default)s)")
+    p.add_argument("--top-p", type=float, default=0.8, help="nucleus sampling mass (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="conversations generated together (default %(default)s)")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help=f"conversations per shard file, a multiple of --batch-size (default {SHARD_BATCHES} batches)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, also picks the builtin prompts (default 0)")
+    p.add_argument("--on-error", choices=("skip", "fatal"), default="skip",
+                   help="malformed prompt lines: report and skip (default), or stop")
+    p.set_defaults(func=cmd_prepare)

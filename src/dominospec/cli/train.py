@@ -1,0 +1,95 @@
+"""`dominospec train`: train a drafter on prepared data (one process, or under torchrun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..data.dataset import load_dataset_dir
+from ..drafter import Drafter
+from ..errors import DominoError
+from ..log import log
+from ..train.distributed import init_distributed
+from ..train.samples import draft_vocab_coverage, fresh_drafter, validate_samples
+from ..train.trainer import TrainConfig, Trainer
+from .common import add_arch_args, add_target_args, arch_from_args, target_from_args
+
+SAVE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cmd_train(args) -> int:
+    target = target_from_args(args)
+    out = Path(args.out)
+    meta, samples = load_dataset_dir(args.data, target=target)
+    cfg = TrainConfig(max_steps=args.max_steps, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
+                      lr=args.lr, gamma=args.gamma, lambda_start=args.lambda_start, lambda_decay=args.lambda_decay,
+                      max_seq_len=args.max_seq_len, seed=args.seed, save_every=args.save_every)
+    validate_samples(samples, target, cfg.max_seq_len, str(args.data))
+    dev = target.device
+    dist = init_distributed(dev)
+    if dist.world > 1 and dev.type == "cuda":
+        torch.cuda.set_device(dist.rank % torch.cuda.device_count())
+    if (out / "train_state").exists() and not args.resume:
+        raise DominoError(f"{out} already holds a training checkpoint; pass --resume to continue it "
+                          f"or choose another --out")
+    if args.init:
+        drafter = Drafter.from_pretrained(args.init, target=target)
+    else:
+        drafter = fresh_drafter(target, samples, arch_from_args(args, target), args.draft_vocab, args.seed)
+        if args.draft_vocab and dist.main:
+            log(f"draft vocabulary: {args.draft_vocab} tokens cover {draft_vocab_coverage(drafter, samples):.1%} "
+                f"of the supervised training tokens")
+    cache = Path(args.feature_cache) if args.feature_cache else None
+    if cache and dist.main:
+        tokens = sum(len(s["input_ids"]) for s in samples)
+        rows = len(drafter.config.target_layer_ids) + drafter.head.needs_target_probs  # + final hidden
+        per_token = 2 * target.hidden_size * rows
+        log(f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
+            f"(fp16, {len(drafter.config.target_layer_ids)} layers)")
+        cache.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(target, drafter, samples, out, cfg, dist=dist, feature_cache=cache,
+                      save_dtype=SAVE_DTYPES[args.save_dtype])
+    if args.resume and trainer.load_checkpoint() and dist.main:
+        log(f"resumed {out} at step {trainer.step}/{trainer.total}")
+    if dist.main:
+        n = drafter.num_trainable_parameters()
+        log(f"training a {drafter.config.head} drafter ({n / 1e6:.2f}M parameters) on {len(samples)} samples "
+            f"for {trainer.total} steps ({trainer.steps_per_epoch} per epoch), {dist.world} process(es) on {dev}")
+    last = trainer.fit()
+    if dist.main and last:
+        log(f"done: {out} (simulated greedy tau {last['tau_greedy']:.2f}); metrics in {out / 'metrics.jsonl'}")
+    if dist.world > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter on prepared data",
+                       description="Train a drafter for TARGET on data from `dominospec prepare-data`, with target "
+                                   "features computed online. Works under torchrun (DDP: gloo on CPU, NCCL on GPU).")
+    add_target_args(p)
+    p.add_argument("--data", required=True, help="directory written by prepare-data")
+    p.add_argument("--out", required=True, help="output directory: the drafter, metrics.jsonl, training.png")
+    add_arch_args(p)
+    p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="score only the N most frequent supervised tokens of the data (0: full vocabulary); "
+                        "lossless, and much cheaper per draft on CPU")
+    p.add_argument("--max-steps", type=int, default=0, help="optimiser steps (default: from --epochs)")
+    p.add_argument("--epochs", type=float, default=1.0, help="default %(default)s")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step, all processes (default %(default)s)")
+    p.add_argument("--anchors", type=int, default=32, help="blocks per sequence (default %(default)s)")
+    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default %(default)s)")
+    p.add_argument("--gamma", type=float, default=None, help="position-decay constant (default 7*block/16)")
+    p.add_argument("--lambda-start", type=float, default=1.0, help="domino curriculum start (default %(default)s)")
+    p.add_argument("--lambda-decay", type=float, default=1.0,
+                   help="fraction of the run over which lambda falls to 0 (default %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="longest sample accepted (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps (default %(default)s)")
+    p.add_argument("--save-dtype", default="float32", choices=list(SAVE_DTYPES),
+                   help="dtype of the exported drafter weights (default %(default)s)")
+    p.add_argument("--feature-cache", default=None, help="cache target features here (fp16) for multi-epoch runs")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.set_defaults(func=cmd_train)

@@ -1,0 +1,93 @@
+"""Reading a prepare-data directory back: the trainer's entry point.
+
+On disk (DIR):
+    meta.json              format "dominospec-data/1": target, vocab size, tokenizer and chat
+                           template fingerprints, EOS ids, generation settings, prompt sources
+                           and, once complete, counts
+    samples-00000.jsonl    one sample per line: {"id", "input_ids", "loss_mask"}
+    samples-00000.stats.json  counts for that shard (empty answers, truncations, tokens, ...)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import DominoError
+from ..log import log
+
+FORMAT = "dominospec-data/1"
+
+
+def read_meta(data_dir: Path) -> dict | None:
+    path = data_dir / "meta.json"
+    if not path.exists():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DominoError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise DominoError(f"{path}: format {found!r}, expected {FORMAT!r}")
+    return meta
+
+
+
+def load_dataset_dir(data_dir: str | Path, target=None) -> tuple[dict, list[dict]]:
+    """(meta, samples) of a prepare-data directory, validated; with a target, checks it is the same tokenizer."""
+    d = Path(data_dir)
+    meta = read_meta(d)
+    if meta is None:
+        raise DominoError(f"{d} is not a dominospec data directory (no meta.json); make one with "
+                          "`dominospec prepare-data`")
+    vocab_size = meta["vocab_size"]
+    if target is not None:
+        _check_target(meta, target, d)
+        vocab_size = target.vocab_size
+    if not meta.get("complete"):
+        log(f"warning: {d} is incomplete (prepare-data was interrupted); using the finished shards. "
+                "Rerun prepare-data with the same arguments to finish it")
+    samples, seen = [], set()
+    for path in sorted(d.glob("samples-*.jsonl")):
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                sample = _parse_sample(line, vocab_size, f"{path}:{lineno}")
+                if sample["id"] in seen:
+                    raise DominoError(f"{path}:{lineno}: sample id {sample['id']!r} appears twice")
+                seen.add(sample["id"])
+                samples.append(sample)
+    if not samples:
+        raise DominoError(f"{d} holds no samples")
+    return meta, samples
+
+
+def _check_target(meta: dict, target, d: Path) -> None:
+    if meta["vocab_size"] != target.vocab_size:
+        raise DominoError(f"data {d} was made for a vocabulary of {meta['vocab_size']} tokens "
+                          f"(target {meta['target']!r}), but target {target.name!r} has {target.vocab_size}")
+    ours, theirs = meta.get("tokenizer_sha256"), target.tokenizer_fingerprint
+    if ours and theirs and ours != theirs:
+        raise DominoError(f"data {d} was made with another tokenizer (target {meta['target']!r}, tokenizer "
+                          f"sha256 {ours[:16]}...) than target {target.name!r} (sha256 {theirs[:16]}...)")
+
+
+def _parse_sample(line: str, vocab_size: int, where: str) -> dict:
+    try:
+        sample = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DominoError(f"{where}: bad JSON ({exc.msg})") from None
+    ids, mask = sample.get("input_ids"), sample.get("loss_mask")
+    if not isinstance(sample.get("id"), str) or not isinstance(ids, list) or not isinstance(mask, list):
+        raise DominoError(f"{where}: a sample needs id (string), input_ids and loss_mask (lists)")
+    if len(ids) != len(mask):
+        raise DominoError(f"{where}: {len(ids)} input_ids but {len(mask)} loss_mask entries")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise DominoError(f"{where}: token id {bad!r} outside the vocabulary (size {vocab_size})")
+    if any(m not in (0, 1) for m in mask):
+        raise DominoError(f"{where}: loss_mask must hold only 0 and 1")
+    if not any(mask):
+        raise DominoError(f"{where}: sample {sample['id']!r} has no supervised token (all of loss_mask is 0)")
+    return sample
+

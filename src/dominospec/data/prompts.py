@@ -1,0 +1,148 @@
+"""Prompt files: the user turns of JSONL conversations, and a Hugging Face dataset.
+
+Only the user turns are kept; the target writes every answer itself (on-policy data).
+
+JSONL layouts, one JSON object per line:
+    {"turns": ["user turn 1", "user turn 2"]}
+    {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}  (ShareGPT;
+        "role"/"content" keys work too; user/human turns are taken in order)
+    {"messages": [{"role": "user", "content": "..."}, ...]}  (OpenAI style; text parts are joined)
+    {"prompt": "..."}
+A malformed line (bad JSON, unknown layout, empty text) is reported as FILE:LINE on stderr and
+skipped, or stops the run with on_error="fatal"; the number skipped is reported per file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import DominoError
+from ..log import log
+
+USER_ROLES = {"user", "human"}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """The user side of one conversation; `id` ("<source>:<index>") names it in the data set."""
+    turns: tuple[str, ...]
+    id: str
+
+
+# ----- JSONL files -----
+
+def user_turns(obj) -> list[str]:
+    """The user turns of one parsed line, in order; ValueError says why the line is unusable."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    if "turns" in obj:
+        turns = obj["turns"]
+        if not isinstance(turns, list):
+            raise ValueError('"turns" must be a list of strings')
+    elif "conversations" in obj or "messages" in obj:
+        key = "conversations" if "conversations" in obj else "messages"
+        if not isinstance(obj[key], list) or not all(isinstance(m, dict) for m in obj[key]):
+            raise ValueError(f'"{key}" must be a list of objects')
+        turns = [_message_text(m) for m in obj[key] if str(m.get("from", m.get("role", ""))).lower() in USER_ROLES]
+        if not turns:
+            raise ValueError(f'"{key}" has no user/human turn')
+    elif "prompt" in obj:
+        turns = [obj["prompt"]]
+    else:
+        raise ValueError(f"unknown layout: keys {sorted(obj)[:6]}, expected turns, conversations, "
+                         "messages or prompt")
+    if not turns:
+        raise ValueError("no user turns")
+    for i, t in enumerate(turns):
+        if not isinstance(t, str) or not t.strip():
+            raise ValueError(f"user turn {i + 1} is empty or not text")
+    return turns
+
+
+def _message_text(message: dict):
+    content = message.get("value", message.get("content"))
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content
+
+
+def read_prompt_file(path: str | Path, on_error: str = "skip", source: str | None = None,
+                     report=None) -> list[Conversation]:
+    """Conversations of a JSONL file; ids are "<source>:<line number>" (source: the file stem)."""
+    report = report or log
+    path = Path(path)
+    if on_error not in ("skip", "fatal"):
+        raise DominoError(f"on_error must be 'skip' or 'fatal', got {on_error!r}")
+    if not path.is_file():
+        raise DominoError(f"prompt file {path}: no such file (use a JSONL file, builtin[:N] or hf:NAME)")
+    source = source or path.stem
+    conversations, skipped = [], 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                turns = user_turns(json.loads(line))
+            except (json.JSONDecodeError, ValueError) as exc:
+                reason = f"bad JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else str(exc)
+                if on_error == "fatal":
+                    raise DominoError(f"{path}:{lineno}: {reason}") from None
+                report(f"{path}:{lineno}: {reason}; line skipped")
+                skipped += 1
+                continue
+            conversations.append(Conversation(tuple(turns), f"{source}:{lineno}"))
+    if skipped:
+        report(f"{path}: skipped {skipped} malformed line(s), kept {len(conversations)}")
+    if not conversations:
+        raise DominoError(f"prompt file {path} has no usable prompts")
+    return conversations
+
+
+def load_hf_dataset(name: str, split: str = "train", on_error: str = "skip", report=None) -> list[Conversation]:
+    """Rows of a Hugging Face hub dataset in any layout `user_turns` reads (needs `datasets` and a hub)."""
+    report = report or log
+    if importlib.util.find_spec("datasets") is None:
+        raise DominoError(f"hf:{name} needs the `datasets` package (pip install datasets) and access to the "
+                          "Hugging Face hub; offline, use a JSONL file or --prompts builtin")
+    import datasets
+
+    try:
+        rows = datasets.load_dataset(name, split=split)
+    except Exception as exc:  # datasets raises many types for "no network", "no such dataset", ...
+        raise DominoError(f"cannot load dataset {name!r} (split {split!r}) from the hub: "
+                          f"{type(exc).__name__}: {exc}") from None
+    conversations, skipped = [], 0
+    for index, row in enumerate(rows):
+        try:
+            conversations.append(Conversation(tuple(user_turns(row)), f"{name}:{index}"))
+        except ValueError as exc:
+            if on_error == "fatal":
+                raise DominoError(f"dataset {name} row {index}: {exc}") from None
+            skipped += 1
+    if skipped:
+        report(f"dataset {name}: skipped {skipped} unusable row(s), kept {len(conversations)}")
+    if not conversations:
+        raise DominoError(f"dataset {name!r} has no usable prompts")
+    return conversations
+
+
+def prompts_fingerprint(conversations: list[Conversation]) -> str:
+    """sha256 of the ordered conversations: two runs agree on it exactly when they see the same prompts."""
+    h = hashlib.sha256()
+    for c in conversations:
+        h.update(json.dumps([c.id, list(c.turns)], ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+
+def read_first_turns(path) -> list[str]:
+    """The first user turn of each conversation in a prompt file (benchmark prompts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DominoError(f"--prompts {path}: no such file")
+    return [c.turns[0] for c in read_prompt_file(path) if c.turns]

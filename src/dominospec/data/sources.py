@@ -1,0 +1,64 @@
+"""Resolving --prompts values (FILE, builtin[:N], hf:NAME[:SPLIT]) into conversations."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..errors import DominoError
+from .builtin import builtin_prompts
+from .prompts import Conversation, load_hf_dataset, read_prompt_file
+
+
+def load_prompts(specs: list[str], seed: int = 0, limit: int | None = None, on_error: str = "skip",
+                 report=None) -> tuple[list[Conversation], list[dict]]:
+    """Resolve --prompts values (FILE, builtin[:N], hf:NAME[:SPLIT]) into conversations and source records.
+
+    Sources are concatenated in the order given; `limit` keeps the first N conversations overall.
+    """
+    conversations, sources, names = [], [], set()
+    for spec in specs:
+        if spec == "builtin" or spec.startswith("builtin:"):
+            n = _builtin_count(spec, limit)
+            convs, record = builtin_prompts(n, seed), {"spec": spec, "kind": "builtin", "seed": seed}
+        elif spec.startswith("hf:"):
+            name, _, split = spec[3:].partition(":")
+            convs, record = load_hf_dataset(name, split or "train", on_error, report), {"spec": spec, "kind": "hf"}
+        else:
+            path = Path(spec)
+            source = _unique_name(path.stem, names)
+            convs = read_prompt_file(path, on_error, source=source, report=report)
+            record = {"spec": spec, "kind": "file", "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        names.update(c.id.rsplit(":", 1)[0] for c in convs)
+        record["conversations"] = len(convs)
+        conversations.extend(convs)
+        sources.append(record)
+    if limit is not None:
+        conversations = conversations[:limit]
+    ids = [c.id for c in conversations]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise DominoError(f"conversation id {dup!r} appears twice: give each prompt source once")
+    return conversations, sources
+
+
+def _builtin_count(spec: str, limit: int | None) -> int:
+    if spec == "builtin":
+        if limit is None:
+            raise DominoError("--prompts builtin needs a size: builtin:N, or pass --limit N")
+        return limit
+    try:
+        n = int(spec.split(":", 1)[1])
+    except ValueError:
+        raise DominoError(f"--prompts {spec!r}: expected builtin:N with an integer N") from None
+    if n < 1:
+        raise DominoError(f"--prompts {spec!r}: N must be at least 1")
+    return n
+
+
+def _unique_name(stem: str, taken: set[str]) -> str:
+    name, k = stem, 2
+    while name in taken:
+        name, k = f"{stem}-{k}", k + 1
+    return name
+

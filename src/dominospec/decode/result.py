@@ -1,0 +1,58 @@
+"""What one generation reports: the tokens, per-cycle acceptance records and where the time went.
+
+Two per-cycle lists carry different facts:
+  accepted[i]  = drafts the target accepted in cycle i: the verification outcome, not cut by
+                 EOS or the token budget. Acceptance by position is computed from it.
+  committed[i] = tokens actually committed in cycle i (accepted drafts + the target's own token,
+                 then cut at EOS / max-new-tokens). tau is computed from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def tokens_per_cycle(committed: Sequence[int]) -> float:
+    """tau: tokens committed per cycle, bonus included. A run without draft cycles commits one
+    token per target step, so its tau is 1.0."""
+    return sum(committed) / len(committed) if committed else 1.0
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]                      # new tokens only
+    prompt_len: int
+    cycles: int = 0
+    block_size: int = 0
+    accepted: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # e.g. "max_new_tokens capped at the context"
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens committed per cycle; None for plain decoding, which has no draft cycles to count."""
+        return tokens_per_cycle(self.committed) if self.cycles else None
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """How many cycles had their draft at block position k (1-based) accepted."""
+        return [sum(1 for a in self.accepted if a >= k) for k in range(1, self.block_size + 1)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self, text: str | None = None) -> dict:
+        return {"text": text, "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s,
+                "tau": self.tau, "cycles": self.cycles, "accepted_per_position": self.accepted_per_position,
+                "draft_s": self.draft_s, "verify_s": self.verify_s, "prefill_s": self.prefill_s,
+                "total_s": self.total_s, "notes": self.notes}

@@ -1,0 +1,92 @@
+"""Drafter checkpoints on disk: config.json + model.safetensors, and the drafters the package ships.
+
+The target's embedding table and LM head are never saved here: a drafter borrows them at load.
+Reading checks everything a damaged or mismatched directory can get wrong and names the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import DominoError
+from ..io import atomic_path, write_atomic
+from .config import CONFIG_NAME, FORMAT, WEIGHTS_NAME, DrafterConfig
+
+SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "drafters"
+
+
+def shipped_drafter_dir(target_name: str) -> Path:
+    """Where the package keeps the default drafter of a target (it may not ship one)."""
+    return SHIPPED_ROOT / target_name
+
+
+def save_checkpoint(config: DrafterConfig, state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
+    """config.json + model.safetensors, each written atomically (weights first)."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    with atomic_path(out / WEIGHTS_NAME) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT})
+    write_atomic(out / CONFIG_NAME, json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def read_checkpoint(directory: str | os.PathLike) -> tuple[DrafterConfig, dict[str, torch.Tensor], Path]:
+    """(config, tensors, weights path) of a drafter directory, with clear errors for what is wrong."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    if d.is_file():
+        raise DominoError(f"drafter {d} is a file; a drafter is a directory holding {CONFIG_NAME} and "
+                          f"{WEIGHTS_NAME}")
+    if not d.is_dir():
+        raise DominoError(f"drafter {d}: no such directory")
+    cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
+    if not cfg_path.exists():
+        raise DominoError(f"drafter {d}: missing {CONFIG_NAME}")
+    if not w_path.exists():
+        raise DominoError(f"drafter {d}: missing {WEIGHTS_NAME}")
+    try:
+        data = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DominoError(f"{cfg_path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise DominoError(f"{cfg_path}: expected a JSON object, got {type(data).__name__}")
+    config = DrafterConfig.from_dict(data, source=str(cfg_path))
+    try:
+        state = load_file(str(w_path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DominoError(f"{w_path}: not a readable safetensors file ({exc})") from None
+    return config, state, w_path
+
+
+def check_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], w_path: Path,
+                cfg_path: Path) -> None:
+    """The stored tensors are exactly the ones the config implies, with the same shapes, all finite."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise DominoError(f"{w_path} does not match {cfg_path}: missing tensors {missing[:5]}"
+                          f"{'...' if len(missing) > 5 else ''}, unexpected tensors {unexpected[:5]}"
+                          f"{'...' if len(unexpected) > 5 else ''}")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise DominoError(f"{w_path}: tensor {k} has shape {tuple(v.shape)}, config implies "
+                              f"{tuple(expected[k].shape)}")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).sum())
+            raise DominoError(f"{w_path}: tensor {k} holds {bad} NaN/inf value(s); the drafter is damaged "
+                              f"(a diverged training run?)")
+
+
+def check_draft_vocab(draft_vocab: torch.Tensor, vocab_size: int, w_path: Path) -> None:
+    dv = draft_vocab
+    if int(dv.min()) < 0 or int(dv.max()) >= vocab_size or dv.unique().numel() != dv.numel():
+        raise DominoError(f"{w_path}: draft_vocab must hold {dv.numel()} distinct ids in 0..{vocab_size - 1}")
+

@@ -1,0 +1,225 @@
+"""The Domino drafter: a parallel draft backbone plus a light sequential head.
+
+Backbone: context features from a few target layers are projected to the hidden size and
+injected as extra keys/values into every draft layer; the block [anchor, MASK, ..., MASK]
+attends bidirectionally to itself and to the context strictly before the anchor. Block slot k
+predicts the token at anchor+1+k (the shift-label rule). The target's embedding table and LM
+head are borrowed at run time and never saved here.
+
+Heads (heads.py) turn the backbone's base logits into the logits a draft token is sampled from,
+left to right inside the block.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import DominoError
+from ..target.features import check_layer_ids
+from .checkpoint import check_draft_vocab, check_state, read_checkpoint, save_checkpoint
+from .config import CONFIG_NAME, DrafterConfig
+from .heads import HEADS, ConfidenceHead
+from .layers import DraftLayer, RMSNorm, block_attention_mask, rope_tables
+
+
+class DraftCache:
+    """Per-layer K/V of committed context rows only; the block's own K/V are never stored."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        c = self.config = config
+        n_feat = len(c.target_layer_ids)
+        self.fc = nn.Linear(n_feat * c.hidden_size, c.hidden_size, bias=False)
+        self.ctx_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList([DraftLayer(c) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_token_id is None else None
+        self.head = HEADS[c.head](c)
+        self.confidence = ConfidenceHead(c) if c.confidence_head else None
+        if c.draft_vocab_size:  # draft-vocabulary slot -> target token id; set by training
+            self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size))
+        self.apply(self._init)
+        self.head.zero_correction()  # an untrained head leaves the base logits unchanged
+        # (embedding, lm_head) borrowed from the target; a tuple so they are neither
+        # registered as submodules nor saved, moved or trained with the drafter
+        self._borrowed: tuple[nn.Module, nn.Module] | None = None
+        self._head_rows: torch.Tensor | None = None  # LM-head rows of the draft vocabulary
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    @classmethod
+    def for_target(cls, target, **arch) -> "Drafter":
+        """A fresh drafter shaped for `target` (arch: DrafterConfig fields; None keeps a default), attached.
+
+        A learned mask vector starts at the mean target embedding, a neutral point of its space.
+        """
+        drafter = cls(DrafterConfig.for_target(target, **arch))
+        with torch.no_grad():
+            if drafter.mask_embedding is not None:
+                drafter.mask_embedding.copy_(target.embed_weight.float().mean(0).to(drafter.mask_embedding.dtype))
+        return drafter.attach(target)
+
+    # ----- the target's frozen tables -----
+    def attach(self, target) -> "Drafter":
+        """Check that this drafter fits `target`, borrow its embedding and LM head, match device/dtype."""
+        self.check_fits(target)
+        self.to(device=target.device, dtype=target.dtype)
+        self._borrowed = (target.input_embeddings(), target.output_embeddings())
+        self.refresh_head_rows()
+        return self
+
+    def check_fits(self, target) -> None:
+        c = self.config
+        pairs = [("hidden_size", c.hidden_size, target.hidden_size),
+                 ("vocab_size", c.vocab_size, target.vocab_size),
+                 ("target_num_layers", c.target_num_layers, target.num_layers)]
+        bad = [f"{name}: drafter {mine} vs target {theirs}" for name, mine, theirs in pairs if mine != theirs]
+        if bad:
+            raise DominoError(f"drafter (made for {c.target_name or 'another target'!r}) does not fit target "
+                              f"{target.name!r}: " + "; ".join(bad))
+        check_layer_ids(c.target_layer_ids, target.num_layers)  # the drafter says which layers it reads
+
+    def _tables(self):
+        if self._borrowed is None:
+            raise DominoError("drafter is not attached to a target; call drafter.attach(target)")
+        return self._borrowed
+
+    def embed(self, ids):
+        return self._tables()[0](ids)
+
+    def refresh_head_rows(self) -> None:
+        """Gather the LM-head rows of the draft vocabulary (after attach or a new draft_vocab)."""
+        self._head_rows = None
+        if self.config.draft_vocab_size and self._borrowed is not None:
+            self._head_rows = self._tables()[1].weight[self.draft_vocab].detach()
+
+    def base_logits(self, z: torch.Tensor) -> torch.Tensor:
+        """The frozen LM head on z [..., H] -> [..., out_vocab] (draft-vocabulary rows only)."""
+        w = self._tables()[1].weight if self._head_rows is None else self._head_rows
+        return F.linear(z, w.to(z.dtype))
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> target token ids."""
+        return ids if not self.config.draft_vocab_size else self.draft_vocab[ids]
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., out_vocab] -> [..., V], zero outside the draft vocabulary."""
+        if not self.config.draft_vocab_size:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        return full.index_copy_(-1, self.draft_vocab, probs)
+
+    def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> draft-vocabulary indices, -1 where a token is outside it."""
+        if not self.config.draft_vocab_size:
+            return ids
+        table = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        table[self.draft_vocab] = torch.arange(self.config.draft_vocab_size, device=ids.device)
+        return table[ids]
+
+    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
+        """Embeddings of [anchor, MASK, ..., MASK] per block: anchors [N] -> [N, B, H]."""
+        c = self.config
+        first = self.embed(anchors).unsqueeze(1).to(self.dtype)
+        if c.mask_token_id is not None:
+            mask = self.embed(torch.full_like(anchors, c.mask_token_id)).unsqueeze(1).to(self.dtype)
+        else:
+            mask = self.mask_embedding.view(1, 1, -1)
+        return torch.cat([first, mask.expand(anchors.shape[0], c.block_size - 1, -1)], dim=1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [N, S, n*H] -> context rows [N, S, H]."""
+        return self.ctx_norm(self.fc(features.to(self.dtype)))
+
+    # ----- inference: one block at a time over a cached context -----
+    def new_cache(self) -> DraftCache:
+        return DraftCache(len(self.layers))
+
+    def extend_cache(self, cache: DraftCache, features: torch.Tensor) -> None:
+        """Append committed context rows (target features [1, S, n*H] at positions cache.length..)."""
+        s = features.shape[1]
+        if s == 0:
+            return
+        ctx = self.context(features)
+        pos = torch.arange(cache.length, cache.length + s, device=features.device).unsqueeze(0)
+        cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.kv(ctx, cos, sin)
+            cache.k[i] = k if cache.k[i] is None else torch.cat([cache.k[i], k], dim=2)
+            cache.v[i] = v if cache.v[i] is None else torch.cat([cache.v[i], v], dim=2)
+        cache.length += s
+
+    def backbone_block(self, cache: DraftCache, anchor: torch.Tensor) -> torch.Tensor:
+        """Final hidden states z [1, B, H] of the block anchored right after the cached context."""
+        x = self.block_inputs(anchor)
+        pos = torch.arange(cache.length, cache.length + self.config.block_size, device=x.device).unsqueeze(0)
+        cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i])
+        return self.norm(x)
+
+    # ----- training: many blocks of one sequence in one forward -----
+    def forward_blocks(self, features: torch.Tensor, anchor_pos: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """z [N, B, H] for N blocks over one sequence's context.
+
+        features: [1, S, n*H] target features at positions 0..S-1; anchor_pos: [N] block anchors;
+        anchors: [N] the token ids at those positions. Equivalent to N cached single-block
+        calls with the cache holding positions < anchor_pos[n] (tested).
+        """
+        c = self.config
+        n, s = anchors.shape[0], features.shape[1]
+        ctx = self.context(features)
+        ctx_pos = torch.arange(s, device=features.device).unsqueeze(0)
+        cos_c, sin_c = rope_tables(ctx_pos, c.head_dim, c.rope_theta, ctx.dtype)
+        x = self.block_inputs(anchors).reshape(1, n * c.block_size, -1)
+        pos = (anchor_pos.unsqueeze(1) + torch.arange(c.block_size, device=x.device)).reshape(1, -1)
+        cos, sin = rope_tables(pos, c.head_dim, c.rope_theta, x.dtype)
+        mask = block_attention_mask(anchor_pos, s, c.block_size)
+        for layer in self.layers:
+            ck, cv = layer.kv(ctx, cos_c, sin_c)
+            x = layer(x, cos, sin, ck, cv, mask=mask)
+        return self.norm(x).view(n, c.block_size, -1)
+
+    def num_trainable_parameters(self) -> int:
+        """Parameters the optimiser updates (the borrowed embedding and LM head are not among them)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    # ----- checkpoints -----
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """config.json + model.safetensors, each written atomically."""
+        save_checkpoint(self.config, self.state_dict(), directory)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, target=None) -> "Drafter":
+        """Load a drafter directory; with `target`, also check the fit and attach to it."""
+        config, state, w_path = read_checkpoint(directory)
+        model = cls(config)
+        check_state(state, model.state_dict(), w_path, Path(directory) / CONFIG_NAME)
+        model.load_state_dict(state)
+        if config.draft_vocab_size:
+            check_draft_vocab(model.draft_vocab, config.vocab_size, w_path)
+        model.eval()
+        if target is not None:
+            model.attach(target)
+        return model

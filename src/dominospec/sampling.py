@@ -1,0 +1,98 @@
+"""Sampling settings, logit warping and the two lossless acceptance rules.
+
+Greedy: a draft is accepted while it equals the target's argmax, so the output is token for
+token what plain greedy decoding gives. Sampling: Leviathan/Chen rejection sampling against the
+distribution each draft was really drawn from, so the output is distributed as the target's.
+Warping (temperature, top-k, top-p) is one function, applied alike to target and draft.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DominoError
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "") -> None:
+    """The one validation of sampling numbers (CLI flags and data-set settings alike)."""
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise DominoError(f"{prefix}temperature must be a finite number >= 0, got {temperature}")
+    if not isinstance(top_p, (int, float)) or not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise DominoError(f"{prefix}top-p must be in (0, 1], got {top_p}")
+    if int(top_k) != top_k or top_k < 0:
+        raise DominoError(f"{prefix}top-k must be an integer >= 0, got {top_k}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0            # 0: off
+    top_p: float = 1.0        # 1: off
+
+    def __post_init__(self):
+        check_sampling(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp_probs(logits: torch.Tensor, s: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p; the same function for target and draft. [..., V]."""
+    logits = logits.float() / s.temperature
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+        sorted_p = sorted_p.masked_fill(before >= s.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """drafts [b], target_logits [b+1, V] -> (accepted count, the target's next token)."""
+    choice = target_logits.argmax(-1)  # [b+1]
+    match = (choice[:-1] == drafts).int().cumprod(0)
+    n = int(match.sum())
+    return n, int(choice[n])
+
+
+def accept_rejection(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                     gen: torch.Generator | None) -> tuple[int, int]:
+    """Leviathan/Chen rejection sampling.
+
+    drafts [b]; draft_probs [b, V]: the distributions the drafts were really sampled from;
+    target_probs [b+1, V], warped like the drafts. Returns (accepted count, next token).
+    """
+    b = drafts.shape[0]
+    idx = torch.arange(b, device=drafts.device)
+    p_t = target_probs[idx, drafts]
+    p_d = draft_probs[idx, drafts]
+    u = torch.rand(b, generator=gen, device=drafts.device)
+    ok = (u * p_d < p_t).int().cumprod(0)  # u < p_t/p_d without dividing by zero
+    n = int(ok.sum())
+    if n == b:
+        return n, int(sample(target_probs[b], gen))
+    residual = (target_probs[n] - draft_probs[n]).clamp_min(0)
+    total = residual.sum()
+    residual = residual / total if total > 0 else target_probs[n]
+    return n, int(sample(residual, gen))
+
+
+def acceptance_rate(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:
+    """1 - TV(p_d, p_t): the chance rejection sampling keeps a draft drawn from p_d.
+
+    p_t may be restricted to a draft vocabulary; its missing mass then counts as disagreement.
+    """
+    return 1 - 0.5 * ((p_d - p_t).abs().sum(-1) + (1 - p_t.sum(-1)))

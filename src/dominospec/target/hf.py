@@ -1,0 +1,219 @@
+"""The target adapter: a Hugging Face causal LM seen through the few operations decoding needs.
+
+A `Target` wraps a decoder-only transformers model and gives the rest of dominospec a small,
+stable surface: a forward with a KV cache that returns logits and only the hidden states of the
+feature layers, cache rollback, the frozen embedding and LM head, chat encoding, EOS ids and the
+architecture numbers a drafter copies. Nothing outside `dominospec.target` touches transformers'
+cache or output objects, so a transformers upgrade is absorbed in this package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import DominoError
+from .features import check_layer_ids, default_layer_ids
+from .generate import hf_generate, sample_batch
+from .load import load_model
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor                # [1, S, V] (only the last row when last_logits_only)
+    features: torch.Tensor | None       # [1, S, n*H] decoder-layer outputs at the feature layers
+
+
+class Target:
+    """A frozen HF causal LM: forward with a cache, rollback, frozen tables, text."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, layer_ids: Sequence[int] | None = None,
+                 name: str = "model"):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.layer_ids = check_layer_ids(layer_ids if layer_ids is not None
+                                         else default_layer_ids(self.num_layers), self.num_layers)
+        # transformers 5.24 renamed past_key_values to cache (old name warns, removed in 5.40)
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def load(cls, name_or_path: str | None = None, device: str | None = "auto",
+             dtype: str | torch.dtype | None = "auto", layer_ids: Sequence[int] | None = None,
+             progress=None) -> "Target":
+        """By alias (default: the bundled model), local directory or hub id; see load.py."""
+        model, tokenizer, name = load_model(name_or_path, device=device, dtype=dtype, progress=progress)
+        return cls(model, tokenizer, layer_ids=layer_ids, name=name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the target was built for (None when its config does not say)."""
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    @property
+    def arch(self) -> dict:
+        """Attention and MLP shape numbers a drafter copies from its target."""
+        cfg = self.model.config
+        heads = int(getattr(cfg, "num_attention_heads", 8))
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        return {"num_attention_heads": heads,
+                "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
+                "head_dim": int(getattr(cfg, "head_dim", None) or self.hidden_size // heads),
+                "intermediate_size": int(getattr(cfg, "intermediate_size", None) or 4 * self.hidden_size),
+                "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
+                "rope_theta": float(theta if theta is not None else getattr(cfg, "rope_theta", 10000.0))}
+
+    # ----- frozen tables -----
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight  # [V, H]
+
+    def input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def output_embeddings(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    # ----- cache -----
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            return DynamicCache()
+
+    @staticmethod
+    def cache_length(cache) -> int:
+        return int(cache.get_seq_length())
+
+    @staticmethod
+    def crop_cache(cache, length: int) -> None:
+        """Roll the cache back to its first `length` positions."""
+        extra = int(cache.get_seq_length()) - length
+        if extra > 0:
+            cache.crop(-extra)  # positive crop(n) raises from transformers 5.18 on
+
+    # ----- forward -----
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache, last_logits_only: bool = False,
+                with_features: bool = True, layer_ids: Sequence[int] | None = None) -> TargetOutput:
+        """Run ids [1, S] after the cached prefix; extends the cache in place.
+
+        Returns logits and the concatenated hidden states of `layer_ids` (default: the target's
+        own feature layers; a drafter passes the layers it was trained on) for the S new positions.
+        """
+        past = self.cache_length(cache)
+        positions = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
+        kwargs = {"input_ids": ids, self._cache_kw: cache, "use_cache": True, "position_ids": positions,
+                  "output_hidden_states": with_features}
+        if last_logits_only:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(**kwargs)
+        feats = None
+        if with_features:
+            hs = out.hidden_states
+            feats = torch.cat([hs[i + 1] for i in (layer_ids or self.layer_ids)], dim=-1)
+        return TargetOutput(out.logits, feats)
+
+    @torch.inference_mode()
+    def batch_features(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       layer_ids: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-cache batched forward for training: (features [N,S,n*H], post-norm final hidden [N,S,H])."""
+        out = self.model(input_ids=ids, attention_mask=attention_mask, use_cache=False,
+                         output_hidden_states=True, logits_to_keep=1)
+        hs = out.hidden_states
+        return torch.cat([hs[i + 1] for i in (layer_ids or self.layer_ids)], dim=-1), hs[-1]
+
+    # ----- transformers' own generate: benchmark baselines and data making -----
+    def hf_generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                    top_k: int = 0, top_p: float = 1.0, prompt_lookup: int = 0) -> list[int]:
+        return hf_generate(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, prompt_lookup)
+
+    def sample_batch(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.7,
+                     top_p: float = 0.8, top_k: int = 0, seed: int = 0) -> list[list[int]]:
+        return sample_batch(self, prompts, max_new_tokens, temperature, top_p, top_k, seed)
+
+    # ----- text -----
+    @property
+    def eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.model.config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None):
+            if src is None:
+                continue
+            ids.update([src] if isinstance(src, int) else list(src))
+        return sorted(ids)
+
+    @property
+    def pad_id(self) -> int | None:
+        if self.tokenizer is not None and self.tokenizer.pad_token_id is not None:
+            return int(self.tokenizer.pad_token_id)
+        eos = self.eos_ids
+        return eos[0] if eos else None
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise DominoError(f"target {self.name!r} has no tokenizer; pass token ids instead of text")
+        return self.tokenizer
+
+    def encode_chat(self, messages: list[dict] | str) -> list[int]:
+        """Chat-template a conversation (thinking disabled where supported), ready to generate."""
+        tok = self._need_tokenizer()
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=False)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok("\n".join(m["content"] for m in messages))["input_ids"]
+
+    def encode_raw(self, text: str) -> list[int]:
+        return self._need_tokenizer()(text)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._need_tokenizer().decode(list(ids), skip_special_tokens=True)
+
+    # ----- identity: data sets record these, so ids are never read with another tokenizer -----
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        """sha256 of the sorted (token, id) vocabulary, added tokens included; None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+        return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+    @property
+    def chat_template_fingerprint(self) -> str | None:
+        """sha256 of the chat template text; None without a tokenizer or template."""
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        if not template:
+            return None
+        return hashlib.sha256(str(template).encode()).hexdigest()

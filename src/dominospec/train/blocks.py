@@ -1,0 +1,71 @@
+"""Training blocks: anchors, labels and teacher-forced inputs (the one place these layouts live).
+
+A block anchored at position a reads x_a (the anchor) in slot 0 and MASK after it; slot k
+predicts x_{a+1+k} (the shift-label rule). Teacher forcing feeds the head the true tokens
+x_{a+k}, so every slot trains in parallel.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..sampling import acceptance_rate
+
+IGNORE = -100
+
+
+def position_weights(block: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-k / gamma): early slots matter more, since a late draft counts only if all before it do."""
+    return torch.exp(-torch.arange(block, dtype=torch.float32) / gamma)
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions a with the token at a and at a+1 both supervised (assistant tokens)."""
+    m = loss_mask.bool()
+    return torch.nonzero(m[:-1] & m[1:]).squeeze(-1)
+
+
+def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block: int):
+    """For anchors [N]: block input tokens x_{a+k} [N, B] and labels x_{a+1+k} [N, B].
+
+    Slot k reads x_{a+k} (teacher forcing; slot 0 is the anchor) and predicts x_{a+1+k}; labels
+    past the sequence end or on unsupervised tokens are IGNORE.
+    """
+    s = input_ids.shape[0]
+    offs = torch.arange(block)
+    pos_in = anchors.unsqueeze(1) + offs           # [N, B]
+    pos_lab = pos_in + 1
+    tokens = input_ids[pos_in.clamp(max=s - 1)]
+    labels = input_ids[pos_lab.clamp(max=s - 1)].clone()
+    valid = (pos_lab < s) & loss_mask[pos_lab.clamp(max=s - 1)].bool()
+    labels[~valid] = IGNORE
+    return tokens, labels
+
+
+def sample_anchors(loss_mask: torch.Tensor, n: int, rng: random.Random) -> torch.Tensor:
+    cand = anchor_candidates(loss_mask).tolist()
+    if len(cand) > n:
+        cand = sorted(rng.sample(cand, n))
+    return torch.tensor(cand, dtype=torch.long)
+
+
+
+def simulated_tau(final_logits: torch.Tensor, labels: torch.Tensor,
+                  target_probs: torch.Tensor | None = None) -> tuple[float, float | None]:
+    """Expected tokens per cycle if these blocks were verified: greedy and (with p_t) sampling.
+
+    greedy: 1 + sum_k prod_{i<=k} [argmax == label]; sampling: 1 + sum_k prod_{i<=k} (1 - TV_i).
+    """
+    valid = labels != IGNORE
+    acc = ((final_logits.argmax(-1) == labels) & valid).float()
+    greedy = float((1 + acc.cumprod(-1).sum(-1)).mean())
+    sampled = None
+    if target_probs is not None:
+        p_d = torch.softmax(final_logits.float(), -1)
+        keep = acceptance_rate(p_d, target_probs)
+        keep = keep * valid.float()
+        sampled = float((1 + keep.cumprod(-1).sum(-1)).mean())
+    return greedy, sampled
+

@@ -1,0 +1,36 @@
+"""training.png: losses and simulated tau over steps (optional: matplotlib may be missing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..io import atomic_path
+
+
+def plot_metrics(metrics_path: Path, png: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    recs = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
+    if not recs:
+        return False
+    steps = [r["step"] for r in recs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for k in ("ce_final", "ce_base", "ce", "l1", "bce"):
+        if k in recs[0]:
+            a.plot(steps, [r[k] for r in recs], label=k)
+    a.set_xlabel("step"), a.set_ylabel("loss (per weighted slot)"), a.legend(), a.set_title("losses")
+    b.plot(steps, [r["tau_greedy"] for r in recs], label="greedy")
+    if "tau_sampled" in recs[0]:
+        b.plot(steps, [r["tau_sampled"] for r in recs], label="T=1")
+    b.set_xlabel("step"), b.set_ylabel("simulated tau"), b.legend(), b.set_title("simulated tau")
+    fig.tight_layout()
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return True
+

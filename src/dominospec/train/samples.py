@@ -1,0 +1,65 @@
+"""What the trainer checks and derives from a data set before the first step."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DominoError
+
+
+def frequent_tokens(samples: list[dict], n: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The n most frequent supervised tokens (plus `always`, e.g. EOS), sorted: a draft vocabulary.
+
+    Ties and unseen slots are filled by ascending id (BPE ids roughly follow merge frequency).
+    """
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in samples:
+        ids = torch.tensor(s["input_ids"])
+        counts.index_add_(0, ids, torch.tensor(s["loss_mask"], dtype=torch.float64))
+    counts -= torch.arange(vocab_size, dtype=torch.float64) * 1e-9  # ties: lower id first
+    counts[torch.tensor(always, dtype=torch.long)] = float("inf")
+    return counts.topk(n).indices.sort().values
+
+
+def validate_samples(samples: list[dict], target, max_len: int, source: str) -> None:
+    """Fail before anything is written: lengths, vocabulary, masks."""
+    if not samples:
+        raise DominoError(f"{source}: no samples to train on")
+    limit = min(max_len, target.max_positions or max_len)
+    usable = 0
+    for n, s in enumerate(samples):
+        ids, mask = s["input_ids"], s["loss_mask"]
+        where = s.get("id", f"sample {n}")
+        if len(ids) != len(mask):
+            raise DominoError(f"{source}: {where}: {len(ids)} tokens but {len(mask)} loss-mask entries")
+        if len(ids) > limit:
+            raise DominoError(f"{source}: {where} has {len(ids)} tokens, longer than the context limit {limit} "
+                              f"(--max-seq-len / the target's max_position_embeddings)")
+        if ids and max(ids) >= target.vocab_size:
+            raise DominoError(f"{source}: {where} has token id {max(ids)} outside the target's vocabulary "
+                              f"({target.vocab_size}); was the data made for another target?")
+        usable += any(a and b for a, b in zip(mask[:-1], mask[1:]))
+    if usable == 0:
+        raise DominoError(f"{source}: every sample is fully masked (no two consecutive supervised tokens)")
+
+
+
+def fresh_drafter(target, samples: list[dict], arch: dict, draft_vocab: int, seed: int):
+    """A new drafter for training: shaped by `arch`, its draft vocabulary (if any) the data's most
+    frequent supervised tokens plus EOS."""
+    from ..drafter import Drafter
+
+    torch.manual_seed(seed)
+    drafter = Drafter.for_target(target, **arch, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        with torch.no_grad():
+            drafter.draft_vocab.copy_(frequent_tokens(samples, draft_vocab, target.vocab_size, target.eos_ids))
+        drafter.refresh_head_rows()
+    return drafter
+
+
+def draft_vocab_coverage(drafter, samples: list[dict]) -> float:
+    """Share of the supervised tokens that the drafter's draft vocabulary can propose."""
+    dv = set(drafter.draft_vocab.tolist())
+    sup = [t for s in samples for t, m in zip(s["input_ids"], s["loss_mask"]) if m]
+    return sum(t in dv for t in sup) / max(1, len(sup))

@@ -1,0 +1,355 @@
+"""Training a drafter: online target features, anchored blocks, teacher forcing, the curriculum.
+
+One optimiser step:
+  1. the step's sequences (split across ranks) go through the frozen target once, padded, for
+     the feature-layer hidden states (or come from the optional on-disk feature cache);
+  2. per sequence, up to `anchors` block anchors are sampled among positions whose token and
+     next token are both supervised; all its blocks run in one drafter forward
+     (`Drafter.forward_blocks`, mask: context before the anchor + its own block);
+  3. the head runs teacher-forced on the true block tokens, so every slot trains in parallel;
+  4. the loss is normalised by the step's total position weight over all ranks, so one process
+     and N processes compute the same gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..drafter import Drafter
+from ..drafter.checkpoint import save_checkpoint
+from ..errors import DominoError
+from ..io import atomic_path, write_lines_atomic
+from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau
+from .distributed import Dist
+from .plots import plot_metrics
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 0            # 0: derive from epochs
+    epochs: float = 1.0
+    batch_size: int = 4           # sequences per optimiser step, over all ranks
+    anchors: int = 32             # blocks per sequence
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    gamma: float | None = None    # position-decay; default 7 for block 16, scaled with the block
+    lambda_start: float = 1.0     # domino curriculum: weight of CE(base) at the start ...
+    lambda_decay: float = 1.0     # ... decaying to 0 over this fraction of the run
+    max_seq_len: int = 2048
+    seed: int = 0
+    save_every: int = 50
+    log_every: int = 5
+
+    def position_weights(self, block: int) -> torch.Tensor:
+        # published: gamma 7 at block 16; scaled with the block when not given
+        return position_weights(block, self.gamma if self.gamma is not None else 7.0 * block / 16)
+
+    def curriculum_lambda(self, step: int, total: int) -> float:
+        span = max(1.0, self.lambda_decay * total)
+        return self.lambda_start * max(0.0, 1.0 - step / span)
+
+
+
+class Trainer:
+    def __init__(self, target, drafter: Drafter, samples: list[dict], out: Path, cfg: TrainConfig,
+                 dist: Dist | None = None, feature_cache: Path | None = None, progress: bool = True,
+                 save_dtype: torch.dtype | None = None):
+        self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out), cfg
+        self.dist = dist or Dist()
+        self.feature_cache = Path(feature_cache) if feature_cache else None
+        self.progress = progress and self.dist.main
+        self.save_dtype = save_dtype
+        self.device = target.device
+        self.head = drafter.head  # says what its loss needs
+        self.block = drafter.config.block_size
+        self.weights = cfg.position_weights(self.block).to(self.device)
+        self.steps_per_epoch = max(1, math.ceil(len(samples) / cfg.batch_size))
+        self.total = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        drafter.float().train()
+        drafter.to(self.device)
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        warm = max(1, int(cfg.warmup * self.total))
+
+        def schedule(step):
+            if step < warm:
+                return (step + 1) / warm
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, self.total - warm))))
+
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        self.step = 0
+
+    # ----- data order: a pure function of (seed, epoch), so a resumed run sees the same batches -----
+    def batch_indices(self, step: int) -> list[int]:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = list(range(len(self.samples)))
+        random.Random(self.cfg.seed * 1000003 + epoch).shuffle(order)
+        chosen = order[within * self.cfg.batch_size:(within + 1) * self.cfg.batch_size]
+        return chosen[self.dist.rank::self.dist.world]
+
+    # ----- target features -----
+    def features(self, idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        need_final = self.head.needs_target_probs
+        result: dict[int, tuple] = {}
+        todo = []
+        for i in idx:
+            cached = self._cache_read(i) if self.feature_cache else None
+            if cached is not None:
+                result[i] = cached
+            else:
+                todo.append(i)
+        if todo:
+            lens = [len(self.samples[i]["input_ids"]) for i in todo]
+            width = max(lens)
+            ids = torch.zeros(len(todo), width, dtype=torch.long)
+            att = torch.zeros(len(todo), width, dtype=torch.long)
+            for r, i in enumerate(todo):
+                ids[r, :lens[r]] = torch.tensor(self.samples[i]["input_ids"])
+                att[r, :lens[r]] = 1
+            feats, final = self.target.batch_features(ids.to(self.device), att.to(self.device),
+                                                      layer_ids=self.drafter.config.target_layer_ids)
+            for r, i in enumerate(todo):
+                item = (feats[r, :lens[r]].clone(), final[r, :lens[r]].clone() if need_final else None)
+                result[i] = item
+                if self.feature_cache:
+                    self._cache_write(i, item)
+        return [result[i] for i in idx]
+
+    def _cache_path(self, i: int) -> Path:
+        return self.feature_cache / f"{i:07d}.safetensors"
+
+    def _cache_read(self, i: int):
+        from safetensors.torch import load_file
+
+        p = self._cache_path(i)
+        if not p.exists():
+            return None
+        t = load_file(str(p), device=str(self.device))
+        dt = self.target.dtype
+        return t["features"].to(dt), (t["final"].to(dt) if "final" in t else None)
+
+    def _cache_write(self, i: int, item) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {"features": item[0].to(torch.float16).cpu().contiguous()}
+        if item[1] is not None:
+            tensors["final"] = item[1].to(torch.float16).cpu().contiguous()
+        with atomic_path(self._cache_path(i)) as tmp:  # runs may share one cache: pid-named temporaries
+            save_file(tensors, str(tmp))
+
+    # ----- one sequence's loss -----
+    def sequence_terms(self, i: int, feats: torch.Tensor, final_hidden, anchors: torch.Tensor, lam: float):
+        """Weighted loss numerators for one sequence's blocks, and its stats. feats: [S, n*H]."""
+        sample = self.samples[i]
+        ids = torch.tensor(sample["input_ids"], device=self.device)
+        mask = torch.tensor(sample["loss_mask"], device=self.device)
+        anchors = anchors.to(self.device)
+        tokens, labels = make_blocks(ids, mask, anchors, self.block)
+        d = self.drafter
+        z = d.forward_blocks(feats.unsqueeze(0), anchors, tokens[:, 0])        # [N, B, H]
+        base = d.base_logits(z)                                                # [N, B, V'], frozen head
+        prev_emb = d.embed(tokens).to(z.dtype)
+        delta = d.head.teacher_forced(z, prev_emb, tokens)
+        final = base if delta is None else base + delta
+        if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
+            sub = d.to_draft_ids(labels.clamp_min(0))
+            labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
+        valid = labels != IGNORE
+        w = self.weights.unsqueeze(0) * valid.float()                          # [N, B]
+
+        def ce(logits):
+            per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                  ignore_index=IGNORE, reduction="none").view_as(labels)
+            return (per * w).sum()
+
+        p_t = None
+        if self.head.needs_target_probs:  # the target's distribution at each slot, from its final hidden state
+            pos = (anchors.unsqueeze(1) + torch.arange(self.block, device=self.device)).clamp(max=ids.shape[0] - 1)
+            with torch.no_grad():
+                p_t = torch.softmax(self.target.lm_head(final_hidden[pos]).to(z.dtype), -1)
+                if d.config.draft_vocab_size:
+                    p_t = p_t[..., d.draft_vocab]  # mass outside the draft vocabulary adds 1 - sum
+        loss, terms = self.head.loss(base, final, ce, p_t, w, lam)
+        if d.confidence is not None:
+            terms["bce"] = d.confidence.loss(z, prev_emb, final, labels, p_t, w)
+            loss = loss + terms["bce"]
+        with torch.no_grad():
+            g, s = simulated_tau(final.detach(), labels, p_t)
+        return loss, terms, {"tau_greedy": g, "tau_sampled": s, "blocks": int(anchors.numel()),
+                             "tokens": int(ids.shape[0])}
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        idx = self.batch_indices(self.step)
+        lam = self.cfg.curriculum_lambda(self.step, self.total) if self.head.uses_curriculum else 0.0
+        # the normaliser first, summed over ranks, so every rank divides by the same number
+        den = torch.zeros((), device=self.device)
+        anchors = {}
+        for i in idx:
+            mask = torch.tensor(self.samples[i]["loss_mask"])
+            # anchors depend on (seed, step, sample) only: resumed and multi-process runs agree
+            a = sample_anchors(mask, cfg.anchors, random.Random(f"{cfg.seed}-{self.step}-{i}"))
+            anchors[i] = a
+            if a.numel():
+                ids = torch.tensor(self.samples[i]["input_ids"])
+                _, labels = make_blocks(ids, mask, a, self.block)
+                den += (self.weights.cpu() * (labels != IGNORE).float()).sum().to(self.device)
+        den = self.dist.all_sum(den).clamp_min(1e-8)
+        self.opt.zero_grad(set_to_none=True)
+        feats = self.features(idx)
+        sums: dict[str, float] = {}
+        stats = []
+        for i, (f, fin) in zip(idx, feats):
+            if anchors[i].numel() == 0:
+                continue
+            loss, terms, st = self.sequence_terms(i, f, fin, anchors[i], lam)
+            (loss / den).backward()
+            for k, v in terms.items():
+                sums[k] = sums.get(k, 0.0) + float(v.detach())
+            stats.append(st)
+        self.dist.all_sum_grads(self.params)
+        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip))
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        # metrics, reduced over ranks
+        keys = sorted(sums)
+        vec = torch.tensor([sums[k] for k in keys] + [
+            sum(s["tau_greedy"] * s["blocks"] for s in stats),
+            sum((s["tau_sampled"] or 0.0) * s["blocks"] for s in stats),
+            sum(s["blocks"] for s in stats), sum(s["tokens"] for s in stats)], dtype=torch.float64,
+            device=self.device)
+        vec = self.dist.all_sum(vec)
+        dn = float(den)
+        rec = {k: float(vec[j]) / dn for j, k in enumerate(keys)}
+        blocks = max(1.0, float(vec[-2]))
+        rec.update(step=self.step, lr=self.sched.get_last_lr()[0], grad_norm=gnorm,
+                   tau_greedy=float(vec[-4]) / blocks, tokens=int(vec[-1]))
+        if self.head.needs_target_probs:
+            rec["tau_sampled"] = float(vec[-3]) / blocks
+        if self.head.uses_curriculum:
+            rec["lambda"] = lam
+        return rec
+
+    # ----- checkpoints -----
+    @property
+    def state_dir(self) -> Path:
+        return self.out / "train_state"
+
+    def save_checkpoint(self) -> None:
+        if not self.dist.main:
+            return
+        tmp = self.out / f"train_state.tmp{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a killed save
+        tmp.mkdir(parents=True)
+        self.drafter.save_pretrained(tmp / "drafter")
+        torch.save({"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
+                    "train_config": asdict(self.cfg), "num_samples": len(self.samples),
+                    "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+        old = self.out / "train_state.old"
+        if self.state_dir.exists():
+            os.replace(self.state_dir, old)
+        os.replace(tmp, self.state_dir)
+        if old.exists():
+            shutil.rmtree(old)
+
+    def load_checkpoint(self) -> bool:
+        from safetensors.torch import load_file
+
+        d = self.state_dir
+        if not d.exists() and (self.out / "train_state.old").exists():
+            d = self.out / "train_state.old"  # killed between the two renames
+        if not (d / "trainer.pt").exists():
+            return False
+        st = torch.load(d / "trainer.pt", map_location=self.device, weights_only=False)
+        if st["num_samples"] != len(self.samples):
+            raise DominoError(f"{d}: checkpoint was made on {st['num_samples']} samples, the data now has "
+                              f"{len(self.samples)}; use a new --out or the original data")
+        for k in ("batch_size", "seed", "anchors", "max_steps", "epochs"):
+            if st["train_config"].get(k) != getattr(self.cfg, k):
+                raise DominoError(f"{d}: cannot resume with {k}={getattr(self.cfg, k)!r}; "
+                                  f"the checkpoint used {st['train_config'].get(k)!r}")
+        self.drafter.load_state_dict(load_file(str(d / "drafter" / "model.safetensors"), device=str(self.device)))
+        self.drafter.refresh_head_rows()
+        self.opt.load_state_dict(st["opt"])
+        self.sched.load_state_dict(st["sched"])
+        self.step = st["step"]
+        torch.set_rng_state(st["torch_rng"].cpu())
+        return True
+
+    # ----- the loop -----
+    def fit(self, on_step: Callable[[int], None] | None = None) -> dict:
+        """Train to the last step, checkpointing every save_every steps; export the drafter at the end.
+
+        on_step(step) runs after each step and its checkpoint (tests use it to die like kill -9).
+        """
+        metrics_path = self.out / "metrics.jsonl"
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.step == 0 and metrics_path.exists():
+                metrics_path.unlink()
+            elif metrics_path.exists():  # drop records past the checkpoint we resumed from
+                kept = [l for l in metrics_path.read_text().splitlines() if l and json.loads(l)["step"] <= self.step]
+                write_lines_atomic(metrics_path, kept)
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.drafter.config.head}", unit="step",
+                       dynamic_ncols=True, file=sys.stderr)
+        t0, tokens0 = time.perf_counter(), 0
+        last = {}
+        while self.step < self.total:
+            rec = self.train_step()
+            tokens0 += rec["tokens"]
+            rec["tokens_per_s"] = tokens0 / max(1e-9, time.perf_counter() - t0)
+            last = rec
+            if self.dist.main:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            if bar:
+                bar.update(1)
+                if self.step % self.cfg.log_every == 0 or self.step == self.total:
+                    bar.set_postfix_str(_postfix(rec))
+            if self.step % self.cfg.save_every == 0 or self.step == self.total:
+                self.save_checkpoint()
+            if on_step is not None:
+                on_step(self.step)
+        if bar:
+            bar.close()
+        if self.dist.main:
+            self.export()
+            plot_metrics(metrics_path, self.out / "training.png")
+        return last
+
+    def export(self) -> None:
+        """The trained drafter itself: config.json + model.safetensors in --out."""
+        state = self.drafter.state_dict()
+        if self.save_dtype is not None:
+            state = {k: v.to(self.save_dtype) if v.is_floating_point() else v for k, v in state.items()}
+        save_checkpoint(self.drafter.config, state, self.out)
+
+
+def _postfix(rec: dict) -> str:
+    parts = [f"{k}={rec[k]:.3f}" for k in ("ce_final", "ce_base", "ce", "l1", "bce") if k in rec]
+    if "lambda" in rec:
+        parts.append(f"λ={rec['lambda']:.2f}")
+    parts.append(f"tau={rec['tau_greedy']:.2f}")
+    if "tau_sampled" in rec:
+        parts.append(f"tauT1={rec['tau_sampled']:.2f}")
+    parts.append(f"{rec.get('tokens_per_s', 0):.0f} tok/s")
+    return " ".join(parts)
