@@ -8,7 +8,12 @@ from dominospec import Drafter, DrafterConfig, Target
 
 def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: int = 0,
                 dtype=torch.float64) -> Target:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,

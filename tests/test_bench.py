@@ -4,17 +4,17 @@ import argparse
 import json
 
 import pytest
-
 from conftest import tiny_drafter
+
 from dominospec import SamplingConfig
 from dominospec.bench import report, runner
+from dominospec.bench.metrics import (PromptRun, conditional_acceptance, first_difference, position_counts, summarize,
+                                      time_split, tokens_per_second, unconditional_acceptance)
 from dominospec.cli import bench as bench_cli
 from dominospec.data.prompts import read_first_turns
 from dominospec.decode.cost import profile_verify_cost
-from dominospec.errors import DominoError
-from dominospec.bench.metrics import (PromptRun, conditional_acceptance, first_difference, position_counts,
-                                      summarize, time_split, tokens_per_second, unconditional_acceptance)
 from dominospec.decode.result import tokens_per_cycle as tau
+from dominospec.errors import DominoError
 
 METRIC_KEYS = {"tokens_per_s", "speedup", "tau", "accept_conditional", "accept_unconditional",
                "lossless_mismatches", "num_prompts", "new_tokens"}

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_drafter, tiny_target
+
 from dominospec import DominoError, Drafter, DrafterConfig, generate_speculative
 from dominospec.target import default_layer_ids
 

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 import torch
-
 from conftest import tiny_drafter, tiny_target
+
 from dominospec import SamplingConfig, generate_autoregressive, generate_speculative
 from dominospec.sampling import accept_rejection, warp_probs
 

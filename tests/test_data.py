@@ -11,8 +11,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_target
+
 from dominospec import DominoError, Target
 from dominospec.data.builtin import builtin_prompts
 from dominospec.data.dataset import load_dataset_dir

@@ -41,6 +41,20 @@ def test_speculative_output_identical_on_the_bundled_target(smollm, head):
     assert spec.tokens == ref.tokens and spec.cycles > 0
 
 
+def test_native_path_is_exact_on_the_bundled_target(smollm):
+    """fp32: speculative decoding on the native path = plain greedy on the native path = plain greedy
+    through transformers, on the bundled target's chat prompts."""
+    assert smollm.backend == "native"  # auto picks it for the Llama family
+    hf = Target(smollm.model, smollm.tokenizer, name="smollm2-135m", backend="hf")
+    drafter = Drafter.from_pretrained(shipped_drafter_dir("smollm2-135m"), target=smollm)
+    for prompt in ["What is 17 * 23? Think step by step.", "Write a haiku about the sea."]:
+        ids = smollm.encode_chat(prompt)
+        ref = generate_autoregressive(hf, ids, 32).tokens
+        assert generate_autoregressive(smollm, ids, 32).tokens == ref
+        spec = generate_speculative(smollm, drafter, ids, 32)
+        assert spec.tokens == ref and spec.cycles > 0
+
+
 def test_cli_init_then_generate_json(tmp_path, capsys, smollm):
     out = tmp_path / "drafter"
     assert main(["init", "--out", str(out), "--layers", "1", "--block-size", "4", "--rank", "16",

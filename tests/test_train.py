@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_drafter
 from safetensors.torch import load_file
+from train_worker import synthetic_samples
 
-from conftest import tiny_drafter, tiny_target
 from dominospec import DominoError, generate_speculative
 from dominospec.train.blocks import IGNORE, anchor_candidates, make_blocks, simulated_tau
 from dominospec.train.samples import validate_samples
 from dominospec.train.trainer import TrainConfig, Trainer
-from train_worker import synthetic_samples
 
 HERE = Path(__file__).parent
 

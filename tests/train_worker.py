@@ -9,6 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_drafter, tiny_target  # noqa: E402
+
 from dominospec import generate_autoregressive  # noqa: E402
 from dominospec.train.distributed import init_distributed  # noqa: E402
 from dominospec.train.trainer import TrainConfig, Trainer  # noqa: E402

@@ -197,3 +197,50 @@ def write_verify_cost(table: dict, out_dir, plots: bool = True) -> None:
     write_json_atomic(out / "verify_cost.json", table, indent=2)
     if plots:
         plot_verify_cost(table, out / "verify_cost.png")
+
+
+def format_device_profile(table: dict) -> str:
+    """Verify cost per context as multiples of one decode step, and the draft cost per block size."""
+    fp = table["fingerprint"]
+    lines = [f"device profile: {fp['hardware']} ({fp['device']}, {fp['threads']} threads), {fp['target']} on "
+             f"{fp['backend']} in {fp['dtype']}", ""]
+    ctxs = list(table["verify"])
+    ks = table["verify"][ctxs[0]]["k"]
+    lines.append("| k new tokens | " + " | ".join(f"ctx {c}: ms | x step" for c in ctxs) + " |")
+    lines.append("|---:|" + "---:|---:|" * len(ctxs))
+    for i, k in enumerate(ks):
+        cells = []
+        for c in ctxs:
+            v = table["verify"][c]
+            cells.append(f"{1e3 * v['seconds'][i]:.1f} | {v['relative_to_1'][i]:.2f}")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    if "draft" in table:
+        d = table["draft"]
+        lines += ["", f"draft cycle ({d.get('drafter', 'drafter')}, context {d['context']}):", "",
+                  "| b drafts | ms |", "|---:|---:|"]
+        lines += [f"| {b} | {1e3 * s:.1f} |" for b, s in zip(d["b"], d["seconds"])]
+    return "\n".join(lines)
+
+
+def plot_device_profile(table: dict, path: Path) -> bool:
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c, v in table["verify"].items():
+        ax.plot(v["k"], v["relative_to_1"], marker="o", label=f"verify, context {c}")
+    if "draft" in table:
+        c0 = next(iter(table["verify"].values()))
+        step = c0["seconds"][0]
+        ax.plot(table["draft"]["b"], [s / step for s in table["draft"]["seconds"]], marker=".", linestyle="--",
+                label="draft cycle (b drafts)")
+    fp = table["fingerprint"]
+    ax.set_xlabel("new tokens in one forward (verify) / drafts per cycle (draft)")
+    ax.set_ylabel("cost in decode steps")
+    ax.set_title(f"{fp['target']} on {fp['backend']}, {fp['hardware']}, {fp['threads']} threads", fontsize=8)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, Path(path))
+    plt.close(fig)
+    return True

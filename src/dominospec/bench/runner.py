@@ -26,6 +26,7 @@ import torch
 
 from ..data.prompts import read_first_turns
 from ..decode import generate_autoregressive, generate_speculative
+from ..decode.cost import ACCEPTANCE_NAME
 from ..devices import describe_device, synchronize
 from ..errors import DominoError
 from ..io import write_atomic, write_json_atomic
@@ -76,7 +77,7 @@ def drafter_label(drafter, block_size: int | None = None) -> str:
 
 
 def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] = (),
-                  block_size: int | None = None) -> tuple[list[Method], list[str]]:
+                  block_size: int | dict[str, int] | None = None) -> tuple[list[Method], list[str]]:
     """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
 
     `ar` is always included: it is the reference everything else is compared with.
@@ -94,7 +95,7 @@ def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] 
                      "(pass --drafter DIR)")
     seen: set[str] = set()
     for source, d in drafters:
-        b = block_size
+        b = block_size.get(source) if isinstance(block_size, dict) else block_size
         if b is not None and b > d.config.block_size:
             notes.append(f"{source}: --block-size {b} is above the drafter's {d.config.block_size}; using "
                          f"{d.config.block_size}")
@@ -202,7 +203,8 @@ def benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequence[Me
                      "null); distribution preservation is tested in tests/test_core.py")
     summary = summarize_benchmark(runs, [m.name for m in methods], list(datasets), compare)
     cfg = {"target": getattr(target, "name", "model"), "device": describe_device(target.device),
-           "dtype": str(target.dtype).replace("torch.", ""), "max_new_tokens": max_new_tokens,
+           "dtype": str(target.dtype).replace("torch.", ""), "backend": getattr(target, "backend", "hf"),
+           "max_new_tokens": max_new_tokens,
            "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": seed,
            "reference": REFERENCE, "warmup": warmup, "interleaved": True,
            "methods": [m.describe() for m in methods],
@@ -252,3 +254,24 @@ def load_prompt_sets(paths: Sequence[str], target, limit: int | None = None) -> 
         datasets[name] = [target.encode_chat(text) for text in prompts]
     return datasets
 
+
+
+def save_acceptance(results: dict, methods: Sequence[Method]) -> list[Path]:
+    """Write each drafter's conditional acceptance by position (greedy, full block, head on) into its
+    directory as acceptance.json: what --block-size auto reads until training validation provides it."""
+    written = []
+    for m in methods:
+        d = m.drafter
+        if m.kind != "drafter" or not m.use_head or getattr(d, "source_dir", None) is None:
+            continue
+        summary = results["methods"][m.name]
+        if results["config"]["temperature"] != 0 or summary["block_size"] != d.config.block_size:
+            continue
+        path = Path(d.source_dir) / ACCEPTANCE_NAME
+        cond = [p if p is not None else 0.0 for p in summary["accept_conditional"]]
+        write_json_atomic(path, {"conditional": cond, "tau": summary["tau"], "cycles": summary["cycles"],
+                                 "measured_by": "dominospec bench (greedy)", "target": results["config"]["target"],
+                                 "datasets": results["config"]["datasets"],
+                                 "max_new_tokens": results["config"]["max_new_tokens"]}, indent=2)
+        written.append(path)
+    return written

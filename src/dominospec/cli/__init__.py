@@ -11,9 +11,9 @@ import sys
 
 from ..errors import DominoError
 from ..version import __version__
-from . import bench, generate, init, prepare, train
+from . import bench, generate, init, prepare, profile, train
 
-SUBCOMMANDS = [generate, init, prepare, train, bench]
+SUBCOMMANDS = [generate, init, prepare, train, bench, profile]
 
 
 def build_parser() -> argparse.ArgumentParser:

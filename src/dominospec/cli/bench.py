@@ -4,32 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
-from ..bench.runner import (
-    DEFAULT_METHODS,
-    benchmark,
-    build_methods,
-    load_prompt_sets,
-    parse_methods,
-)
-from ..decode.cost import profile_verify_cost
+from ..bench.runner import DEFAULT_METHODS, benchmark, build_methods, load_prompt_sets, parse_methods, save_acceptance
+from ..decode.cost import auto_block_size, profile_verify_cost
 from ..errors import DominoError
+from ..io import ensure_writable_dir
 from ..log import log
 from ..sampling import SamplingConfig
-from .common import (
-    add_sampling_args,
-    add_target_args,
-    resolve_drafter,
-    target_from_args,
-)
+from .common import (add_sampling_args, add_target_args, block_size_arg, resolve_drafter, target_from_args,
+                     warn_if_reduced_precision)
 
 
 def cmd_bench(args) -> int:
     if not args.prompts and not args.profile:
         raise DominoError("nothing to do: give --prompts FILE.jsonl (one or more), --profile, or both")
-    for name in ("max_new_tokens", "limit", "block_size", "context", "max_k", "repeats", "threads"):
+    for name in ("max_new_tokens", "limit", "context", "max_k", "repeats"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise DominoError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -38,10 +27,9 @@ def cmd_bench(args) -> int:
         if not Path(p).is_file():
             raise DominoError(f"--prompts {p}: no such file")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    out = ensure_writable_dir(args.out)  # before any work: a benchmark's results are never lost to a bad --out
     target = target_from_args(args)
-    out = Path(args.out)
+    warn_if_reduced_precision(target)
 
     if args.profile:
         log(f"profiling verify cost: 1..{args.max_k} new tokens after a {args.context}-token context, "
@@ -60,7 +48,14 @@ def cmd_bench(args) -> int:
         shipped = resolve_drafter(target, None)
         if shipped is not None:
             drafters = [("shipped default", shipped)]
-    methods, notes = build_methods(groups, drafters, args.block_size)
+    block_size = args.block_size
+    if block_size == "auto":
+        block_size = {}
+        for source, d in drafters:
+            b, note = auto_block_size(target, d)
+            block_size[source] = max(1, b)  # the benchmark measures the drafter even where plain wins
+            log(f"{source}: {note}")
+    methods, notes = build_methods(groups, drafters, block_size)
     for n in notes:
         log(n)
     datasets = load_prompt_sets(args.prompts, target, args.limit)
@@ -74,6 +69,9 @@ def cmd_bench(args) -> int:
         for x in m.get("mismatched_prompts", []):
             log(f"MISMATCH {x['method']}: {x['dataset']} prompt {x['prompt_index']} differs from ar at token "
                 f"{x['first_diff']}")
+    if args.save_acceptance:
+        for path in save_acceptance(results, methods):
+            log(f"wrote {path} (read by --block-size auto)")
     print(format_method_table(results["methods"]))
     log(f"wrote {out / 'results.json'} and {out / 'report.md'}")
     return 0
@@ -97,11 +95,13 @@ def add_parser(sub) -> None:
                         "(default %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
-    p.add_argument("--block-size", type=int, default=None, help="drafts per cycle (default: each drafter's own)")
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="drafts per cycle: a number, or auto (per drafter, from `dominospec profile` and its "
+                        "acceptance.json); default: each drafter's own")
+    p.add_argument("--save-acceptance", action="store_true",
+                   help="write each drafter's measured conditional acceptance by position into its directory "
+                        "(acceptance.json, what --block-size auto reads); needs greedy runs at the full block size")
     add_sampling_args(p)
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: torch's choice; on a shared machine, fewer threads "
-                        "than busy cores gives steadier timings)")
     p.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up run of each method")
     p.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")

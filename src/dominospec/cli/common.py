@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from ..drafter import HEADS, Drafter, shipped_drafter_dir
-from ..log import log
+from ..errors import DominoError
+from ..log import log, log_once
 from ..target import DEFAULT_TARGET, Target, parse_layer_ids
+from ..target.hf import BACKENDS
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
@@ -14,6 +18,12 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                    help=f"HF hub id, local model directory, or the bundled alias (default: {DEFAULT_TARGET})")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--backend", default="auto", choices=list(BACKENDS),
+                   help="target forward: native (Llama family: fused, pre-packed kernels), hf (transformers), "
+                        "auto = native where supported (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: OMP_NUM_THREADS or torch's choice; on a shared machine, "
+                        "fewer threads than busy cores gives steadier timings)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -45,8 +55,32 @@ def arch_from_args(args, target) -> dict:
                 confidence_head=args.confidence_head, mask_token_id=args.mask_token_id)
 
 
+def block_size_arg(text: str) -> int | str:
+    """--block-size: a positive integer, or auto (chosen from the device profile and the drafter's acceptance)."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def warn_if_reduced_precision(target) -> None:
+    if target.dtype not in (torch.float32, torch.float64):
+        log_once(f"{str(target.dtype).replace('torch.', '')}: greedy speculative output equals plain greedy output "
+                 "only up to numerics (batch-shape rounding can flip near-tied tokens); use --dtype float32 for "
+                 "token-identical output")
+
+
 def target_from_args(args):
-    return Target.load(args.target, device=args.device, dtype=args.dtype, progress=log)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DominoError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    return Target.load(args.target, device=args.device, dtype=args.dtype, progress=log, backend=args.backend)
 
 
 def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):

@@ -6,14 +6,11 @@ import json
 import sys
 
 from ..decode import generate_autoregressive, generate_speculative
+from ..decode.cost import auto_block_size
 from ..log import log
 from ..sampling import SamplingConfig
-from .common import (
-    add_sampling_args,
-    add_target_args,
-    resolve_drafter,
-    target_from_args,
-)
+from .common import (add_sampling_args, add_target_args, block_size_arg, resolve_drafter, target_from_args,
+                     warn_if_reduced_precision)
 
 
 def cmd_generate(args) -> int:
@@ -23,6 +20,15 @@ def cmd_generate(args) -> int:
     if drafter is None and not args.no_draft:
         log("no drafter given and none is shipped for this target: plain decoding "
             "(train one with `dominospec train`, or pass --drafter DIR)")
+    warn_if_reduced_precision(target)
+    block_size = args.block_size
+    if block_size == "auto":
+        block_size = None
+        if drafter is not None:
+            block_size, note = auto_block_size(target, drafter)
+            log(note)
+            if block_size == 0:
+                drafter = None
     prompt_ids = target.encode_raw(args.prompt) if args.raw else target.encode_chat(args.prompt)
     stream = None
     if not args.json:
@@ -38,7 +44,7 @@ def cmd_generate(args) -> int:
         res = generate_autoregressive(target, prompt_ids, args.max_new_tokens, sampling, args.seed, on_tokens=stream)
     else:
         res = generate_speculative(target, drafter, prompt_ids, args.max_new_tokens, sampling, args.seed,
-                                   block_size=args.block_size, on_tokens=stream)
+                                   block_size=block_size, on_tokens=stream)
     text = target.decode(res.tokens)
     if args.json:
         print(json.dumps(res.to_dict(text)))
@@ -61,7 +67,9 @@ def add_parser(sub) -> None:
     add_target_args(p)
     p.add_argument("--drafter", help="drafter directory (default: the one shipped for the bundled target)")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
-    p.add_argument("--block-size", type=int, default=None, help="draft tokens per cycle (at most the drafter's)")
+    p.add_argument("--block-size", type=block_size_arg, default=None,
+                   help="draft tokens per cycle (at most the drafter's), or auto: the best for this device from "
+                        "`dominospec profile` and the drafter's acceptance.json (default: the drafter's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

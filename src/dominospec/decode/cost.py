@@ -1,19 +1,27 @@
-"""The verify-cost profile: what one target forward over k new tokens costs on this device.
+"""What decoding costs on this device: the verify-cost profile, the draft cost, the block choice.
 
 Verifying b drafts is one forward over b+1 tokens after a cached context. How that cost grows
-with k decides how many drafts are worth verifying; the benchmark reports it and a verify-length
-policy reads it. Measured with the same forward call the decoding loop uses (features on).
+with k decides how many drafts are worth verifying. `dominospec profile` measures it (with the
+same forward call the decoding loop uses, features on) and stores the table in the cache
+directory keyed by a device fingerprint; `--block-size auto` and the benchmark read it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
+from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from ..devices import describe_device, synchronize
+from ..devices import cpu_model, describe_device, synchronize
 from ..errors import DominoError
+from ..io import cache_dir, write_json_atomic
+from ..sampling import SamplingConfig
+from .propose import draft_block
 
 
 @torch.inference_mode()
@@ -60,3 +68,129 @@ def profile_verify_cost(target, context: int = 256, max_k: int = 16, repeats: in
             "repeats": repeats, "statistic": "median",
             # noise only ever adds time: on a shared machine the minimum is the steadier estimate
             "min_seconds": fastest, "min_relative_to_1": [s / fastest[0] for s in fastest]}
+
+
+# ----- the device profile: what the rest of the system reads to size its verify blocks -----
+
+def device_fingerprint(target) -> dict:
+    """What a cost table is only valid for: the hardware, threads, torch, the target and its backend."""
+    dev = target.device
+    hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
+    return {"device": dev.type, "hardware": hw, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "target": getattr(target, "name", "model"),
+            "backend": getattr(target, "backend", "hf"), "dtype": str(target.dtype).replace("torch.", "")}
+
+
+def profile_path(fingerprint: dict) -> Path:
+    key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "profiles" / f"{key}.json"
+
+
+@torch.inference_mode()
+def profile_draft_cost(target, drafter, context: int = 256, repeats: int = 7, seed: int = 0) -> dict:
+    """Median time of one draft cycle (backbone pass + head rollout) for b = 1..block_size drafts."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(0, target.vocab_size, (1, context), generator=gen).to(target.device)
+    cache = target.new_cache(max_len=context + 1)
+    out = target.forward(ctx, cache, last_logits_only=True, layer_ids=drafter.config.target_layer_ids)
+    dcache = drafter.new_cache()
+    drafter.extend_cache(dcache, out.features)
+    anchor = ctx[0, -1:]
+    greedy = SamplingConfig()
+    bs = list(range(1, drafter.config.block_size + 1))
+    for b in bs:  # warm-up
+        draft_block(drafter, dcache, anchor, b, greedy, None)
+    times: dict[int, list[float]] = {b: [] for b in bs}
+    for _ in range(repeats):
+        for b in bs:
+            synchronize(target.device)
+            t0 = time.perf_counter()
+            draft_block(drafter, dcache, anchor, b, greedy, None)
+            synchronize(target.device)
+            times[b].append(time.perf_counter() - t0)
+    return {"context": context, "b": bs, "seconds": [statistics.median(times[b]) for b in bs]}
+
+
+def profile_device(target, drafter=None, contexts: Sequence[int] = (256, 1024), max_k: int = 17,
+                   repeats: int = 7, seed: int = 0, progress: bool = True) -> dict:
+    """The device profile: verify cost of k = 1..max_k new tokens at each context (k = 1 is one
+    decode step) and, with a drafter, its draft cost per block size."""
+    limit = target.max_positions
+    usable = [c for c in contexts if not limit or c + max_k <= limit]
+    if not usable:
+        raise DominoError(f"no context in {list(contexts)} leaves room for {max_k} tokens in the target's "
+                          f"{limit} positions")
+    table = {"fingerprint": device_fingerprint(target), "max_k": max_k, "repeats": repeats,
+             "verify": {str(c): profile_verify_cost(target, c, max_k, repeats, seed, progress) for c in usable}}
+    if drafter is not None:
+        table["draft"] = profile_draft_cost(target, drafter, min(usable), repeats, seed)
+        table["draft"]["drafter"] = drafter.config.target_name + f"/{drafter.config.head}-{drafter.config.num_layers}L"
+    return table
+
+
+def save_profile(table: dict) -> Path:
+    path = profile_path(table["fingerprint"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, table, indent=2)
+    return path
+
+
+def load_profile(target) -> dict | None:
+    """The stored profile for this target on this device, backend, dtype and thread count, if any."""
+    path = profile_path(device_fingerprint(target))
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def expected_tokens(acceptance: Sequence[float], b: int) -> float:
+    """tau for b drafts: 1 + sum_k prod_{i<=k} p_i, with p_i the conditional acceptance at position i."""
+    tau, survive = 1.0, 1.0
+    for p in list(acceptance)[:b]:
+        survive *= p
+        tau += survive
+    return tau
+
+
+def best_block_size(profile: dict, acceptance: Sequence[float], max_b: int, context: int = 256) -> tuple[int, dict]:
+    """The b in 0..max_b that maximises expected tokens per second = tau(b) / (draft(b) + verify(b + 1)).
+
+    b = 0 means plain decoding is faster than any speculation this drafter can offer on this device.
+    Uses the profiled context closest to `context`; returns (b, {b: tokens/s}).
+    """
+    ctxs = sorted(profile["verify"], key=lambda c: abs(int(c) - context))
+    verify = dict(zip(profile["verify"][ctxs[0]]["k"], profile["verify"][ctxs[0]]["seconds"]))
+    draft = dict(zip(profile["draft"]["b"], profile["draft"]["seconds"])) if "draft" in profile else {}
+    rates = {0: 1.0 / verify[1]}  # b = 0: plain decoding, one token per decode step
+    for b in range(1, max_b + 1):
+        if b + 1 not in verify or (draft and b not in draft) or b > len(acceptance):
+            continue
+        rates[b] = expected_tokens(acceptance, b) / (draft.get(b, 0.0) + verify[b + 1])
+    if len(rates) == 1:
+        raise DominoError("the device profile and the drafter's acceptance share no block size; rerun "
+                          "`dominospec profile` with a larger --max-k")
+    return max(rates, key=rates.get), rates
+
+
+ACCEPTANCE_NAME = "acceptance.json"  # next to a drafter: its conditional acceptance by block position
+
+
+def auto_block_size(target, drafter, context: int = 256) -> tuple[int, str]:
+    """--block-size auto: the block size with the most expected tokens/s on this device (0: plain
+    decoding wins), and a note saying what it was chosen from (or why the drafter's own is used)."""
+    own = drafter.config.block_size
+    source = getattr(drafter, "source_dir", None)
+    acc_path = Path(source) / ACCEPTANCE_NAME if source else None
+    if acc_path is None or not acc_path.exists():
+        return own, f"--block-size auto: the drafter has no {ACCEPTANCE_NAME} (write one with `bench " \
+                    f"--save-acceptance`); using its block size {own}"
+    profile = load_profile(target)
+    if profile is None:
+        return own, ("--block-size auto: no device profile for this target, backend, dtype and thread count "
+                     f"(run `dominospec profile`); using the drafter's block size {own}")
+    try:
+        acceptance = [float(p) for p in json.loads(acc_path.read_text())["conditional"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DominoError(f"{acc_path}: expected {{\"conditional\": [p_1, p_2, ...]}} ({exc})") from None
+    b, rates = best_block_size(profile, acceptance, own, context)
+    shown = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(rates.items()))
+    chosen = "plain decoding (no block size beats it here)" if b == 0 else str(b)
+    return b, f"--block-size auto chose {chosen}; expected tokens/s by block size (0 = plain): {shown}"

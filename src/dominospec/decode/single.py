@@ -18,13 +18,7 @@ import torch
 
 from ..devices import synchronize
 from ..errors import DominoError
-from ..sampling import (
-    SamplingConfig,
-    accept_greedy,
-    accept_rejection,
-    sample,
-    warp_probs,
-)
+from ..sampling import SamplingConfig, accept_greedy, accept_rejection, sample, warp_probs
 from .propose import draft_block
 from .result import GenerationResult
 
@@ -69,7 +63,7 @@ def generate_autoregressive(target, prompt_ids: Sequence[int], max_new_tokens: i
     gen = _generator(seed, dev)
     res = GenerationResult(tokens=[], prompt_len=ids.shape[1])
     t0 = time.perf_counter()
-    cache = target.new_cache()
+    cache = target.new_cache(max_len=ids.shape[1] + max_new_tokens + 1)
     out = target.forward(ids, cache, last_logits_only=True, with_features=False)
     tok = _first_token(out.logits[0, -1], sampling, gen)
     synchronize(dev)
@@ -104,7 +98,7 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
     res = GenerationResult(tokens=[], prompt_len=ids.shape[1], block_size=b)
 
     t0 = time.perf_counter()
-    tcache, dcache = target.new_cache(), drafter.new_cache()
+    tcache, dcache = target.new_cache(max_len=ids.shape[1] + max_new_tokens + b + 1), drafter.new_cache()
     layers = drafter.config.target_layer_ids
     out = target.forward(ids, tcache, last_logits_only=True, layer_ids=layers)
     drafter.extend_cache(dcache, out.features)

@@ -220,6 +220,7 @@ class Drafter(nn.Module):
         if config.draft_vocab_size:
             check_draft_vocab(model.draft_vocab, config.vocab_size, w_path)
         model.eval()
+        model.source_dir = Path(directory)  # where its acceptance.json and calibration live, if any
         if target is not None:
             model.attach(target)
         return model

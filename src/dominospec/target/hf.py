@@ -1,5 +1,9 @@
 """The target adapter: a Hugging Face causal LM seen through the few operations decoding needs.
 
+Two backends run the same forward: `hf` (transformers' eager forward with its DynamicCache) and,
+for the Llama family, `native` (native.py: fused, pre-packed kernels and a preallocated cache
+whose rollback is setting a length). Both return the same logits and features to fp32 rounding.
+
 A `Target` wraps a decoder-only transformers model and gives the rest of dominospec a small,
 stable surface: a forward with a KV cache that returns logits and only the hidden states of the
 feature layers, cache rollback, the frozen embedding and LM head, chat encoding, EOS ids and the
@@ -22,6 +26,9 @@ from ..errors import DominoError
 from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
 from .load import load_model
+from .native import KVCache, NativeModel, native_support
+
+BACKENDS = ("auto", "native", "hf")
 
 
 @dataclass
@@ -34,7 +41,7 @@ class Target:
     """A frozen HF causal LM: forward with a cache, rollback, frozen tables, text."""
 
     def __init__(self, model: nn.Module, tokenizer=None, layer_ids: Sequence[int] | None = None,
-                 name: str = "model"):
+                 name: str = "model", backend: str = "hf"):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -49,14 +56,34 @@ class Target:
         # transformers 5.24 renamed past_key_values to cache (old name warns, removed in 5.40)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        if backend not in BACKENDS:
+            raise DominoError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
+        self.native: NativeModel | None = None
+        self.backend_note: str | None = None  # why a requested native backend is not used
+        if backend in ("auto", "native"):
+            why = native_support(model)
+            if why is None:
+                self.native = NativeModel.from_hf(model)
+            elif backend == "native":
+                self.backend_note = f"target {name!r} runs on the transformers path: {why}"
+
+    @property
+    def backend(self) -> str:
+        return "native" if self.native is not None else "hf"
 
     @classmethod
     def load(cls, name_or_path: str | None = None, device: str | None = "auto",
              dtype: str | torch.dtype | None = "auto", layer_ids: Sequence[int] | None = None,
-             progress=None) -> "Target":
-        """By alias (default: the bundled model), local directory or hub id; see load.py."""
+             progress=None, backend: str = "auto") -> "Target":
+        """By alias (default: the bundled model), local directory or hub id; see load.py.
+
+        backend: auto (native where supported), native (says so when it is not), hf.
+        """
         model, tokenizer, name = load_model(name_or_path, device=device, dtype=dtype, progress=progress)
-        return cls(model, tokenizer, layer_ids=layer_ids, name=name)
+        target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend)
+        if target.backend_note and progress:
+            progress(target.backend_note)
+        return target
 
     @property
     def device(self) -> torch.device:
@@ -101,7 +128,10 @@ class Target:
         return self.model.get_output_embeddings()(hidden)
 
     # ----- cache -----
-    def new_cache(self):
+    def new_cache(self, max_len: int = 1024):
+        """An empty batch-1 cache; `max_len` is a size hint (the native cache grows when needed)."""
+        if self.native is not None:
+            return self.native.new_cache(batch=1, max_len=max_len)
         from transformers import DynamicCache
 
         try:
@@ -109,13 +139,17 @@ class Target:
         except TypeError:  # transformers < 4.56
             return DynamicCache()
 
-    @staticmethod
-    def cache_length(cache) -> int:
+    def cache_length(self, cache) -> int:
+        if isinstance(cache, KVCache):
+            return cache.length(0)
         return int(cache.get_seq_length())
 
-    @staticmethod
-    def crop_cache(cache, length: int) -> None:
+    def crop_cache(self, cache, length: int) -> None:
         """Roll the cache back to its first `length` positions."""
+        if isinstance(cache, KVCache):
+            if length < cache.length(0):
+                cache.crop(length)
+            return
         extra = int(cache.get_seq_length()) - length
         if extra > 0:
             cache.crop(-extra)  # positive crop(n) raises from transformers 5.18 on
@@ -129,6 +163,11 @@ class Target:
         Returns logits and the concatenated hidden states of `layer_ids` (default: the target's
         own feature layers; a drafter passes the layers it was trained on) for the S new positions.
         """
+        layers = list(layer_ids or self.layer_ids)
+        if self.native is not None:
+            logits, feats = self.native(ids, cache, logits="last" if last_logits_only else "all",
+                                        feature_layers=layers if with_features else None)
+            return TargetOutput(logits.unsqueeze(1) if last_logits_only else logits, feats)
         past = self.cache_length(cache)
         positions = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
         kwargs = {"input_ids": ids, self._cache_kw: cache, "use_cache": True, "position_ids": positions,
@@ -139,7 +178,7 @@ class Target:
         feats = None
         if with_features:
             hs = out.hidden_states
-            feats = torch.cat([hs[i + 1] for i in (layer_ids or self.layer_ids)], dim=-1)
+            feats = torch.cat([hs[i + 1] for i in layers], dim=-1)
         return TargetOutput(out.logits, feats)
 
     @torch.inference_mode()

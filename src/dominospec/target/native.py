@@ -1,0 +1,367 @@
+"""Native forward for Llama-family HF decoder-only models (Llama/SmolLM2, Mistral, Qwen2, Qwen3).
+
+Why: speculative decoding verifies k+1 tokens per target pass, and on CPU the HF eager path spends
+much of that pass on per-op Python overhead and on un-packed GEMMs. This module re-implements the
+forward in the gpt-fast spirit: a config dataclass, plain modules, one preallocated KV cache that
+rolls back by setting a length, fused q/k/v and gate/up projections and (CPU fp32) pre-packed
+weights. It is built from an already loaded HF model and shares its weight tensors (embedding,
+norms, o/down projections, tied LM head); new tensors are the fused q/k/v and gate/up weights and,
+on CPU fp32, the packed/transposed kernel copies (see `Linear`; ~0.9 GB for SmolLM2-135M).
+Build it on the device and dtype you run on: the packed copies do not follow `.to()`.
+
+Shapes: B batch, S new tokens per row, T keys attended, H hidden, D head dim, Hq/Hkv heads, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def native_support(hf_model) -> str | None:
+    """None when `NativeModel.from_hf(hf_model)` reproduces the HF forward, else a sentence why not."""
+    cfg = getattr(hf_model, "config", None)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in NATIVE_ARCHITECTURES:
+        return f"model_type {mt!r} is not a supported native architecture ({', '.join(sorted(NATIVE_ARCHITECTURES))})."
+    inner = getattr(hf_model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(hf_model, "lm_head"):
+        return f"{type(hf_model).__name__} does not have the model.layers / lm_head layout of a causal LM."
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"hidden_act {cfg.hidden_act!r} is not supported (only silu)."
+    rope = getattr(inner, "rotary_emb", None)
+    rope_type = getattr(rope, "rope_type", None)
+    if rope is None or not isinstance(rope_type, str) or not torch.is_tensor(getattr(rope, "inv_freq", None)):
+        return "the model has no single static rotary embedding (model.model.rotary_emb.inv_freq)."
+    if rope_type in ("dynamic", "longrope"):
+        return f"rope scaling {rope_type!r} recomputes frequencies from the sequence length; only static rope is supported."
+    window = getattr(cfg, "sliding_window", None)
+    sliding_layers = mt == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    if window is not None and sliding_layers and window < cfg.max_position_embeddings:
+        return f"sliding-window attention (window {window}) is in effect; native attention is full-causal."
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        return "num_attention_heads is not a multiple of num_key_value_heads."
+    w = inner.embed_tokens.weight
+    if not w.dtype.is_floating_point or w.device.type == "meta":
+        return f"weights are {w.dtype} on {w.device.type}; native needs dense floating-point weights."
+    return None
+
+
+@dataclass
+class NativeConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each q/k head before RoPE
+
+    @classmethod
+    def from_hf(cls, config) -> "NativeConfig":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qk_norm=config.model_type == "qwen3",
+        )
+
+
+def _packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class Linear(nn.Module):
+    """y = x @ W^T + b with the CPU fp32 kernel that measured fastest per row count (KERNELS.md).
+
+    M >= 2 rows (verify/prefill): oneDNN with W reordered once into its blocked layout (no per-call
+    re-packing; 1.3-2x faster than F.linear here). M = 1 (decode, memory-bound): MKL against a
+    pre-transposed [in, out] copy when out > in (qkv, gate/up, LM head: up to 1.7x faster than
+    F.linear), else F.linear on the shared weight. CUDA or non-fp32: plain F.linear.
+    Memory on CPU fp32: one packed copy of W, plus the transposed copy when out > in; a fused W
+    (qkv, gate/up) is not kept once both exist.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight, self.bias = weight, bias  # [out, in], [out]; shared with HF when not fused
+        self.out_features, in_features = weight.shape
+        self.packed = self.weight_t = None
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and _packing_available():
+            self.onednn = torch.ops.mkldnn._linear_pointwise.default  # the overload: ~10 us/call less
+            with torch.no_grad():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # oneDNN blocked
+                if self.out_features > in_features:
+                    self.weight_t = weight.detach().t().contiguous()  # [in, out]
+                    self.weight = None  # not needed any more (frees the fused copy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if x.numel() != x.shape[-1]:  # M >= 2 rows; oneDNN takes [..., in] directly
+            return self.onednn(x, self.packed, self.bias, "none", [], "")  # [..., out]
+        if self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.matmul(x, self.weight_t)  # [..., out]
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)  # one Python-level op (ATen composite on CPU)
+    # HF computes the norm in fp32 and casts back before the weight; copy that for bit parity.
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if weight is None else weight * y
+
+
+class KVCache:
+    """Preallocated K/V: k, v [layers, batch, kv_heads, max_len, head_dim].
+
+    `lengths` is a python list of ints (one per row): reading it never syncs a device and rollback
+    is an assignment. Positions >= lengths[b] hold stale values that attention never reads. A
+    forward that would overrun max_len doubles the buffers first (rare; copies them once).
+    """
+
+    def __init__(self, cfg: NativeConfig, batch: int, max_len: int, dtype, device):
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * batch
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def length(self, row: int = 0) -> int:
+        return self.lengths[row]
+
+    def set_length(self, row: int, n: int) -> None:
+        if not 0 <= n <= self.max_len:
+            raise ValueError(f"length {n} out of range 0..{self.max_len}")
+        self.lengths[row] = int(n)
+
+    def crop(self, n: int) -> None:
+        """Batch-1 rollback: keep the first n positions."""
+        if self.batch != 1:
+            raise ValueError("crop() is for batch 1; use set_length(row, n)")
+        self.set_length(0, n)
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.batch
+
+    def ensure(self, needed: int) -> None:
+        """Grow (doubling) so that `needed` positions fit; rare path, copies the old buffers."""
+        if needed <= self.max_len:
+            return
+        new_len = max(needed, 2 * self.max_len)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:3], new_len, old.shape[4])
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+
+class Rope:
+    """cos/sin tables from HF's own inv_freq and attention_scaling (covers default/linear/llama3/yarn)."""
+
+    def __init__(self, rotary_emb, head_dim: int, dtype, device):
+        self.inv_freq = rotary_emb.inv_freq.detach().to(device=device, dtype=torch.float32)  # [D/2]
+        self.scaling = float(getattr(rotary_emb, "attention_scaling", 1.0))
+        self.dtype, self.half = dtype, head_dim // 2
+        self.cos = self.sin = None
+        self._build(256)
+
+    def _build(self, n: int) -> None:
+        # Same fp32 arithmetic as HF's rotary forward, then cast, so tables match it bit for bit.
+        pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [n, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+        self.cos = (emb.cos() * self.scaling).to(self.dtype)
+        sin = (emb.sin() * self.scaling).to(self.dtype)
+        # rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1.., +1..]: fold the sign into sin.
+        self.sin = torch.cat((-sin[:, : self.half], sin[:, self.half:]), dim=-1)
+
+    def tables(self, needed: int):
+        if needed > self.cos.shape[0]:
+            self._build(max(needed, 2 * self.cos.shape[0]))
+        return self.cos, self.sin
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [B, S, heads, D]; cos/sin [B or 1, S, 1, D]
+        return torch.addcmul(x * cos, torch.roll(x, self.half, dims=-1), sin)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: NativeConfig, hf_layer):
+        super().__init__()
+        a, m = hf_layer.self_attn, hf_layer.mlp
+        self.cfg = cfg
+        self.attn_norm = hf_layer.input_layernorm.weight  # [H], shared
+        self.mlp_norm = hf_layer.post_attention_layernorm.weight
+        self.eps = cfg.rms_norm_eps
+        with torch.no_grad():  # fused weights are new tensors: one GEMM instead of three / two
+            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # [(Hq+2Hkv)*D, H]
+            qkv_b = None
+            if a.q_proj.bias is not None:
+                qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+            gu_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # [2I, H]
+            gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
+            self.qk_norm = None
+            if cfg.qk_norm:  # per-head weights stacked so q and k are normed in one op
+                self.qk_norm = torch.cat([a.q_norm.weight.expand(cfg.num_heads, -1),
+                                          a.k_norm.weight.expand(cfg.num_kv_heads, -1)])  # [Hq+Hkv, D]
+        self.qkv = Linear(qkv_w, qkv_b)
+        self.o = Linear(a.o_proj.weight, a.o_proj.bias)
+        self.gate_up = Linear(gu_w, gu_b)
+        self.down = Linear(m.down_proj.weight, m.down_proj.bias)
+        self.scale = float(getattr(a, "scaling", cfg.head_dim ** -0.5))  # HF's own softmax scale
+
+    def forward(self, x, layer: int, cache: KVCache, ctx: "_Step") -> torch.Tensor:
+        c = self.cfg
+        B, S, _ = x.shape
+        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = self.qkv(rms_norm(x, self.attn_norm, self.eps)).view(B, S, Hq + 2 * Hkv, D)  # heads q|k|v
+        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv:]  # q and k heads side by side; [B, S, Hkv, D]
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, None, self.eps) * self.qk_norm  # [B, S, Hq+Hkv, D]
+        qk = ctx.rope.apply(qk, ctx.cos, ctx.sin)  # one RoPE for q and k together
+        q, k = qk[:, :, :Hq], qk[:, :, Hq:]  # [B, S, Hq, D], [B, S, Hkv, D]
+        kc, vc = cache.k[layer], cache.v[layer]  # [B, Hkv, max_len, D]
+        for rows, p in ctx.writes:  # padding columns land past the row's length: never read
+            kc[rows, :, p: p + S] = k[rows].transpose(1, 2)
+            vc[rows, :, p: p + S] = v[rows].transpose(1, 2)
+        keys, vals = kc[:, :, : ctx.T], vc[:, :, : ctx.T]  # [B, Hkv, T, D] views, no copy
+        if ctx.grouped:  # S == 1, no mask: fold the q heads of one kv group into the query axis
+            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, vals, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=ctx.mask,
+                                                 scale=self.scale, enable_gqa=True)  # [B, Hq, S, D]
+            out = out.transpose(1, 2)
+        h = x + self.o(out.reshape(B, S, Hq * D))  # out-of-place: x may be a returned feature
+        gate, up = self.gate_up(rms_norm(h, self.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B, S, I] x2
+        return h + self.down(F.silu(gate) * up)  # [B, S, H]
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward shares: RoPE rows, where to write, how far to read, mask."""
+    rope: Rope
+    cos: torch.Tensor
+    sin: torch.Tensor
+    writes: list  # (rows, start position): one entry for all rows when they start together
+    T: int
+    mask: torch.Tensor | None
+    grouped: bool
+
+
+class NativeModel(nn.Module):
+    def __init__(self, cfg: NativeConfig, hf_model):
+        super().__init__()
+        inner = hf_model.model
+        self.cfg = cfg
+        self.embed = inner.embed_tokens.weight  # [V, H], shared
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in inner.layers)
+        self.norm = inner.norm.weight
+        head = hf_model.lm_head.weight  # tied models: this is the embedding tensor itself
+        self.lm_head = Linear(head, getattr(hf_model.lm_head, "bias", None))
+        self.rope = Rope(inner.rotary_emb, cfg.head_dim, self.dtype, self.device)
+
+    @classmethod
+    def from_hf(cls, hf_model) -> "NativeModel":
+        why = native_support(hf_model)
+        if why is not None:
+            raise ValueError(why)
+        return cls(NativeConfig.from_hf(hf_model.config), hf_model).eval()
+
+    def new_cache(self, batch: int = 1, max_len: int = 2048) -> KVCache:
+        return KVCache(self.cfg, batch, max_len, self.dtype, self.device)
+
+    @torch.no_grad()  # not inference_mode: returned features may feed a drafter that trains
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, num_new: list[int] | None = None,
+                logits: str = "all", feature_layers: list[int] | None = None):
+        """Append tokens to the cache and run them; returns (logits, features).
+
+        input_ids [B, S]: row b appends its first num_new[b] tokens (default S) at positions
+        cache.lengths[b].. ; later columns are padding and affect nothing. Causal inside the new
+        tokens. logits: "all" -> [B, S, V], "last" -> [B, V] at each row's last real token (column 0
+        for a row with 0 new tokens), "none" -> None. features: decoder-layer outputs (residual
+        stream before the final norm; HF hidden_states[j + 1], except that HF's entry for the last
+        layer is post-norm) for j in feature_layers, concatenated: [B, S, len * H], or None.
+        """
+        B, S = input_ids.shape
+        if logits not in ("all", "last", "none"):
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        if not set(feature_layers or []) <= set(range(self.cfg.num_layers)):
+            raise ValueError(f"feature_layers {feature_layers} out of range 0..{self.cfg.num_layers - 1}")
+        if B != cache.batch:
+            raise ValueError(f"input batch {B} != cache batch {cache.batch}")
+        n = [S] * B if num_new is None else [int(t) for t in num_new]
+        if len(n) != B or not all(0 <= t <= S for t in n):
+            raise ValueError(f"num_new {num_new} must give 0..{S} tokens for each of {B} rows")
+        starts = list(cache.lengths)
+        cache.ensure(max(starts) + S)  # padding columns are written too
+        T = max(p + t for p, t in zip(starts, n))  # longest valid prefix after this step
+        cos, sin = self.rope.tables(max(starts) + S)
+        if B == 1 or len(set(starts)) == 1:  # same positions in every row: slice, no gather
+            p = starts[0]
+            cos, sin = cos[None, p: p + S, None], sin[None, p: p + S, None]  # [1, S, 1, D]
+            pos = None
+            writes = [(slice(None), p)]
+        else:
+            pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(S, device=self.device)
+            cos, sin = cos[pos][:, :, None], sin[pos][:, :, None]  # [B, S, 1, D]
+            writes = [(slice(b, b + 1), p) for b, p in enumerate(starts)]
+        mask = None
+        if S > 1 or any(p + t != T for p, t in zip(starts, n)):
+            # Causal with per-row offset; padding queries see their prefix too (no all-False rows).
+            qpos = pos if pos is not None else (starts[0] + torch.arange(S, device=self.device))[None]
+            allowed = torch.arange(T, device=self.device) <= qpos[..., None]  # [B or 1, S, T]
+            # additive float mask built once: SDPA would convert a bool mask again in every layer
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill_(~allowed, float("-inf"))[:, None]  # [B or 1, 1, S, T]
+        grouped = mask is None and S == 1
+        ctx = _Step(self.rope, cos, sin, writes, T, mask, grouped)
+
+        want, feats = set(feature_layers or []), {}
+        x = F.embedding(input_ids, self.embed)  # [B, S, H]
+        for i, block in enumerate(self.blocks):
+            x = block(x, i, cache, ctx)
+            if i in want:
+                feats[i] = x  # residual stream after layer i, before the final norm
+        for b in range(B):
+            cache.lengths[b] = starts[b] + n[b]
+
+        out = None
+        if logits == "all":
+            out = self.lm_head(rms_norm(x, self.norm, self.cfg.rms_norm_eps))  # [B, S, V]
+        elif logits == "last":  # only the rows we need through the big LM head
+            idx = torch.tensor([max(t - 1, 0) for t in n], device=self.device)  # a row with 0 new: column 0
+            last = x[torch.arange(B, device=self.device), idx] if B > 1 else x[:, max(n[0] - 1, 0)]  # [B, H]
+            out = self.lm_head(rms_norm(last, self.norm, self.cfg.rms_norm_eps))  # [B, V]
+        features = torch.cat([feats[j] for j in feature_layers], dim=-1) if feature_layers else None
+        return out, features  # features [B, S, len(feature_layers) * H]

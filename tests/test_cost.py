@@ -1,0 +1,56 @@
+"""The device profile and the block-size choice that reads it."""
+
+import json
+
+import pytest
+
+from conftest import tiny_drafter
+from dominospec.decode import cost
+
+
+def profile_table(verify_ms, draft_ms=None):
+    table = {"verify": {"256": {"k": list(range(1, len(verify_ms) + 1)), "seconds": [v / 1e3 for v in verify_ms]}}}
+    if draft_ms:
+        table["draft"] = {"b": list(range(1, len(draft_ms) + 1)), "seconds": [d / 1e3 for d in draft_ms]}
+    return table
+
+
+def test_expected_tokens_is_one_plus_the_sum_of_survival_products():
+    assert cost.expected_tokens([0.5, 0.5, 1.0], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert cost.expected_tokens([0.9], 0) == 1.0
+
+
+def test_best_block_size_maximises_expected_tokens_per_second():
+    # verify costs grow slowly; a drafter accepted 90% of the time should draft the most it can
+    table = profile_table([100, 105, 110, 115, 120], [5, 6, 7, 8])
+    b, rates = cost.best_block_size(table, [0.9] * 4, max_b=4)
+    assert b == 4 and rates[4] == max(rates.values())
+    # the same device with a drafter that is rarely right: plain decoding (b = 0) wins
+    b, rates = cost.best_block_size(table, [0.05] * 4, max_b=4)
+    assert b == 0 and rates[0] == pytest.approx(1 / 0.1)
+
+
+def test_best_block_size_sees_a_cost_jump():
+    # a kernel switch makes 4 new tokens as dear as 2 steps: stop before it
+    table = profile_table([100, 110, 115, 200, 205])
+    b, _ = cost.best_block_size(table, [0.6, 0.6, 0.6, 0.6], max_b=4)
+    assert b == 2
+
+
+def test_profile_and_auto_block_size_round_trip(llama_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path / "cache"))
+    drafter = tiny_drafter(llama_target, block_size=4)
+    drafter.source_dir = tmp_path / "drafter"
+    drafter.source_dir.mkdir()
+    b, note = cost.auto_block_size(llama_target, drafter)
+    assert b == 4 and "acceptance.json" in note  # nothing measured yet: the drafter's own
+    (drafter.source_dir / "acceptance.json").write_text(json.dumps({"conditional": [0.9, 0.8, 0.7, 0.6]}))
+    b, note = cost.auto_block_size(llama_target, drafter)
+    assert b == 4 and "dominospec profile" in note
+    table = cost.profile_device(llama_target, drafter, contexts=(16, 600), max_k=5, repeats=1, progress=False)
+    assert list(table["verify"]) == ["16"]  # 600 + 5 does not fit the 512-position target
+    assert table["draft"]["b"] == [1, 2, 3, 4] and table["fingerprint"]["backend"] == "hf"
+    path = cost.save_profile(table)
+    assert path.parent == tmp_path / "cache" / "profiles" and cost.load_profile(llama_target) == table
+    b, note = cost.auto_block_size(llama_target, drafter)
+    assert 0 <= b <= 4 and "chose" in note

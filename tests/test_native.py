@@ -1,0 +1,228 @@
+"""The native target forward (target/native.py) against transformers, on tiny random models built offline."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from dominospec.target.native import KVCache, Linear, NativeModel, _packing_available, native_support
+
+TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+L = 4  # decoder layers of the tiny models
+FEATS = [0, 2, L - 1]  # includes the last layer, whose HF hidden_states entry is post-norm
+
+
+def tiny(kind: str, dtype=torch.float32):
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=L,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rms_norm_eps=1e-6)
+    if kind == "llama":  # SmolLM2-like: tied embeddings; llama3 rope scaling exercises HF's inv_freq
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                                       rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64})
+        cls = transformers.LlamaForCausalLM
+    elif kind == "qwen2":  # q/k/v bias, no o bias
+        cfg, cls = transformers.Qwen2Config(**common, tie_word_embeddings=False), transformers.Qwen2ForCausalLM
+    elif kind == "qwen3":  # per-head q/k RMSNorm
+        cfg, cls = transformers.Qwen3Config(**common, tie_word_embeddings=False), transformers.Qwen3ForCausalLM
+    elif kind == "mistral":
+        cfg, cls = transformers.MistralConfig(**common, sliding_window=None), transformers.MistralForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # O(1) logits and non-trivial norm weights / biases, so mistakes show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return model.to(dtype)
+
+
+def hf_reference(model, ids):
+    """Logits [S, V] and {layer j: output of decoder layer j [S, H]} from one uncached HF pass."""
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda m, i, o: captured.update(last=o))
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    hook.remove()
+    feats = {j: out.hidden_states[j + 1][0] for j in range(L - 1)}
+    last = captured["last"]
+    feats[L - 1] = (last[0] if isinstance(last, tuple) else last)[0]  # pre-norm, unlike hidden_states[-1]
+    return out.logits[0], feats
+
+
+def check_rows(model, full_ids, logits, feats, start, tol):
+    """Rows start.. of the native outputs (batch row 0) equal HF on the whole sequence."""
+    ref_logits, ref_feats = hf_reference(model, full_ids)
+    S = logits.shape[1]
+    assert (logits[0] - ref_logits[start: start + S]).abs().max().item() <= tol
+    want = torch.cat([ref_feats[j][start: start + S] for j in FEATS], dim=-1)
+    assert feats.shape == (1, S, len(FEATS) * 64)
+    assert (feats[0] - want).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
+def test_matches_transformers_prefill_steps_verify_rollback(kind, dtype):
+    """Protects: native logits and feature layers equal HF's for prefill, 1-token steps, a k-token
+    verify on a cached prefix, and after rollback + re-extension with different tokens."""
+    model = tiny(kind, dtype)
+    assert native_support(model) is None
+    native = NativeModel.from_hf(model)
+    tol = TOL[dtype]
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, 256, (24,), generator=g).tolist()
+    cache = native.new_cache(1, max_len=64)
+
+    def run(new, start):
+        logits, feats = native(torch.tensor([new]), cache, logits="all", feature_layers=FEATS)
+        check_rows(model, seq[: start + len(new)], logits, feats, start, tol)
+        assert cache.length() == start + len(new)
+        return logits
+
+    run(seq[:8], 0)  # prefill
+    for i in range(8, 11):  # single-token decode steps
+        run(seq[i: i + 1], i)
+    logits = run(seq[11:16], 11)  # verify 5 tokens after a cached prefix
+    cache.crop(13)  # rollback: reject the last 3 verified tokens
+    seq[13:17] = torch.randint(0, 256, (4,), generator=g).tolist()  # re-extend with other tokens
+    run(seq[13:17], 13)
+    cache.set_length(0, 17)
+    last, none = native(torch.tensor([seq[17:20]]), cache, logits="last")
+    ref_logits, _ = hf_reference(model, seq[:20])
+    assert none is None and last.shape == (1, 256)
+    assert (last[0] - ref_logits[19]).abs().max().item() <= tol
+    assert logits.shape == (1, 5, 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ragged_batch_equals_rows_alone(dtype):
+    """Protects: in a batch with different cached lengths and different numbers of new tokens,
+    padding columns change nothing and every real column equals that sequence run alone
+    (ragged prefill, ragged multi-token verify, then a 1-token step at different lengths)."""
+    model = tiny("qwen3", dtype)
+    native = NativeModel.from_hf(model)
+    tol = TOL[dtype]
+    g = torch.Generator().manual_seed(2)
+    stages = [[5, 9, 2], [3, 1, 4], [1, 1, 1]]  # new tokens per row, per call
+    seqs = [torch.randint(0, 256, (sum(st[b] for st in stages),), generator=g) for b in range(3)]
+
+    cache = native.new_cache(3, max_len=32)
+    batched, done = [], [0, 0, 0]
+    for st in stages:
+        width = max(st)
+        ids = torch.randint(0, 256, (3, width), generator=g)  # padding = random ids
+        for b in range(3):
+            ids[b, : st[b]] = seqs[b][done[b]: done[b] + st[b]]
+        lg, ft = native(ids, cache, num_new=st, feature_layers=FEATS)
+        cache.lengths = list(done)  # roll back and redo asking for last-token logits only
+        last, _ = native(ids, cache, num_new=st, logits="last")
+        done = [d + n for d, n in zip(done, st)]
+        assert cache.lengths == done
+        batched.append((lg, ft, last))
+    for b in range(3):
+        alone, pos = native.new_cache(1, max_len=32), 0
+        for st, (lg, ft, last) in zip(stages, batched):
+            n = st[b]
+            a, f = native(seqs[b][None, pos: pos + n], alone, feature_layers=FEATS)
+            pos += n
+            assert (lg[b, :n] - a[0]).abs().max().item() <= tol
+            assert (ft[b, :n] - f[0]).abs().max().item() <= tol
+            assert (last[b] - a[0, -1]).abs().max().item() <= tol
+
+
+def test_batch_equal_lengths_decode_without_mask():
+    """Protects: the unmasked batch path (equal lengths, 1 new token per row, grouped-query SDPA)
+    keeps rows independent and equal to each row run alone."""
+    model = tiny("llama", torch.float32)
+    native = NativeModel.from_hf(model)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (2, 7), generator=g)
+    cache = native.new_cache(2, max_len=16)
+    native(ids[:, :6], cache, logits="none")
+    step, _ = native(ids[:, 6:], cache, logits="last")
+    for b in range(2):
+        alone = native.new_cache(1, max_len=16)
+        ref, _ = native(ids[b: b + 1], alone, logits="last")
+        assert (step[b] - ref[0]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.skipif(not _packing_available(), reason="oneDNN packing not in this torch build")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(bias):
+    """Protects: the packed / transposed / plain fp32 paths all compute x @ W^T + b, every row count."""
+    torch.manual_seed(3)
+    for out_f, in_f in [(96, 64), (64, 96), (960, 576), (576, 1536)]:  # both M=1 paths
+        w = torch.randn(out_f, in_f) / in_f ** 0.5
+        b = torch.randn(out_f) if bias else None
+        lin = Linear(w, b)
+        assert lin.packed is not None
+        for m in [1, 2, 9, 17, 64]:
+            x = torch.randn(1, m, in_f)
+            assert (lin(x) - F.linear(x, w, b)).abs().max().item() <= 1e-4
+    assert Linear(w.double()).packed is None  # other dtypes use F.linear
+
+
+def test_native_support_refuses_other_families():
+    """Protects: unsupported models are refused with a sentence instead of silently mis-computed."""
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
+    why = native_support(gpt2)
+    assert isinstance(why, str) and "gpt2" in why
+    with pytest.raises(ValueError):
+        NativeModel.from_hf(gpt2)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=256)
+    mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=16))
+    assert "sliding" in native_support(mistral)
+    dyn = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **common, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
+    assert "dynamic" in native_support(dyn)
+
+
+def test_cache_grows_past_max_len():
+    """Protects: a forward that overruns max_len doubles the buffers and stays exact."""
+    model = tiny("llama", torch.float64)
+    native = NativeModel.from_hf(model)
+    cache = native.new_cache(1, max_len=4)
+    seq = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    lg, ft = native(torch.tensor([seq[:6]]), cache, feature_layers=FEATS)
+    check_rows(model, seq[:6], lg, ft, 0, 1e-9)
+    for i in range(6, 21, 5):
+        lg, ft = native(torch.tensor([seq[i: i + 5]]), cache, feature_layers=FEATS)
+    check_rows(model, seq, lg, ft, 16, 1e-9)
+    assert cache.max_len >= 21 and cache.length() == 21 and isinstance(cache, KVCache)
+
+
+# ----- the native backend behind the Target adapter -----
+
+def test_target_on_native_backend_decodes_exactly_like_transformers():
+    """Protects: greedy speculative decoding through the native path equals plain greedy through the
+    native path and through transformers (float64, so ties cannot flip)."""
+    from conftest import tiny_drafter
+    from dominospec import Target, generate_autoregressive, generate_speculative
+
+    hf_model = tiny("llama", torch.float64)
+    hf, nat = Target(hf_model, name="hf"), Target(hf_model, name="native", backend="native")
+    assert hf.backend == "hf" and nat.backend == "native"
+    drafter = tiny_drafter(nat, head="domino", block_size=4)
+    for prompt in ([1, 5, 9, 2], [7] * 11):
+        ref = generate_autoregressive(hf, prompt, 24, eos_ids=[]).tokens
+        assert generate_autoregressive(nat, prompt, 24, eos_ids=[]).tokens == ref
+        for b in (1, 4):
+            spec = generate_speculative(nat, drafter, prompt, 24, block_size=b, eos_ids=[])
+            assert spec.tokens == ref and spec.cycles > 0
+
+
+def test_family_outside_the_native_set_runs_on_transformers_and_says_so():
+    from dominospec import Target, generate_autoregressive
+
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=2,
+                                                                 n_positions=64)).eval()
+    target = Target(gpt2, name="tiny-gpt2", backend="native")
+    assert target.backend == "hf" and "transformers path" in target.backend_note and "gpt2" in target.backend_note
+    assert len(generate_autoregressive(target, [1, 2, 3], 5, eos_ids=[]).tokens) == 5
+    assert Target(gpt2, backend="auto").backend_note is None  # auto falls back without a word
