@@ -234,3 +234,15 @@ def test_cli_bench_and_profile_on_the_bundled_target(tmp_path, capsys):
     assert res["methods"]["hf"]["lossless_mismatches"] == 0 and res["methods"]["ar"]["new_tokens"] == 4
     assert json.loads((out / "verify_cost.json").read_text())["k"] == [1, 2]
     assert cli.main(["bench", "--out", str(out)]) == 2  # nothing to do: a clear error, no traceback
+
+
+def test_near_tie_check_accepts_the_target_and_catches_a_real_divergence(llama_target):
+    from dominospec import generate_autoregressive
+
+    prompt = [3, 1, 4, 1, 5]
+    tokens = generate_autoregressive(llama_target, prompt, 10, eos_ids=[]).tokens
+    assert runner.not_near_tie(llama_target, prompt, tokens) == 0
+    logits = llama_target.forward(__import__("torch").tensor([prompt + tokens[:4]]),
+                                  llama_target.new_cache(), with_features=False).logits[0, -1]
+    worst = int(logits.argmin())  # far below the argmax: no rounding explains choosing it
+    assert runner.not_near_tie(llama_target, prompt, tokens[:4] + [worst] + tokens[5:]) >= 1

@@ -226,3 +226,24 @@ def test_family_outside_the_native_set_runs_on_transformers_and_says_so():
     assert target.backend == "hf" and "transformers path" in target.backend_note and "gpt2" in target.backend_note
     assert len(generate_autoregressive(target, [1, 2, 3], 5, eos_ids=[]).tokens) == 5
     assert Target(gpt2, backend="auto").backend_note is None  # auto falls back without a word
+
+
+def test_native_batched_sampling_matches_single_sequences():
+    """Protects: batched data generation on the native path gives each prompt the answer it would get
+    alone (greedy: the plain greedy continuation; sampled: independent of its batch mates), stops at
+    EOS, and keeps working as finished rows leave the batch."""
+    from dominospec import Target, generate_autoregressive
+
+    model = tiny("llama", torch.float64)
+    target = Target(model, name="t", backend="native")
+    eos = 7
+    model.generation_config.eos_token_id = eos
+    prompts = [[1, 2, 3], [4] * 9, [5, 6], [9, 8, 7, 6, 5, 4]]
+    greedy = target.sample_batch(prompts, 12, temperature=0.0)
+    for p, answer in zip(prompts, greedy):
+        alone = generate_autoregressive(target, p, 12, eos_ids=[eos]).tokens
+        assert answer == alone
+    a = target.sample_batch(prompts, 12, temperature=1.0, top_p=0.9, seed=3)
+    b = target.sample_batch([prompts[0], [11, 12]], 12, temperature=1.0, top_p=0.9, seed=3)
+    assert a[0] == b[0] and all(len(x) <= 12 and (len(x) == 12 or x[-1] == eos) for x in a)
+    assert a != target.sample_batch(prompts, 12, temperature=1.0, top_p=0.9, seed=4)

@@ -31,6 +31,8 @@ def format_method_table(methods: dict) -> str:
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, m in methods.items():
         mm = "-" if m["lossless_mismatches"] is None else str(m["lossless_mismatches"])
+        if "not_near_tie" in m:
+            mm += f" ({m['not_near_tie']} not near-tie)"
         lines.append(f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | {mm} | "
                      f"{m['num_prompts']} | {m['new_tokens']} |")
     return "\n".join(lines)

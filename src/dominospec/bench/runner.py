@@ -117,6 +117,21 @@ def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] 
 
 # ----- running -----
 
+NEAR_TIE_MARGIN = 0.5  # logits: what bf16/fp16 rounding through the layers can plausibly flip
+
+
+@torch.inference_mode()
+def not_near_tie(target, prompt_ids: Sequence[int], tokens: Sequence[int], margin: float = NEAR_TIE_MARGIN) -> int:
+    """Tokens of a greedy output that the target, re-reading prompt + output in one pass, scores more than
+    `margin` logits below its own argmax: a divergence rounding cannot explain."""
+    if not tokens:
+        return 0
+    ids = torch.tensor([list(prompt_ids) + list(tokens)], device=target.device)
+    logits = target.forward(ids, target.new_cache(max_len=ids.shape[1]), with_features=False).logits[0].float()
+    rows = logits[len(prompt_ids) - 1: ids.shape[1] - 1]  # row j predicts tokens[j]
+    chosen = rows.gather(1, torch.tensor(list(tokens), device=rows.device)[:, None]).squeeze(1)
+    return int((rows.max(-1).values - chosen > margin).sum())
+
 def run_one(target, method: Method, prompt_ids: Sequence[int], max_new_tokens: int,
             sampling: SamplingConfig, seed: int, dataset: str = "", prompt_index: int = 0) -> PromptRun:
     """Decode one prompt with one method and time it."""
@@ -202,6 +217,14 @@ def benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequence[Me
         notes.append(f"T={sampling.temperature} > 0: outputs are not compared with ar (lossless_mismatches is "
                      "null); distribution preservation is tested in tests/test_core.py")
     summary = summarize_benchmark(runs, [m.name for m in methods], list(datasets), compare)
+    if compare and target.dtype not in (torch.float32, torch.float64):
+        # reduced precision: a mismatch is acceptable only where the target itself was near a tie
+        for name, m in summary["methods"].items():
+            m["not_near_tie"] = sum(not_near_tie(target, datasets[r.dataset][r.prompt_index], r.tokens)
+                                    for r in runs if r.method == name)
+        notes.append(f"{str(target.dtype).replace('torch.', '')}: greedy outputs may differ from ar at near-ties "
+                     f"(batch-shape rounding); not_near_tie counts tokens that are neither the target's argmax "
+                     f"nor within {NEAR_TIE_MARGIN} logits of it when the target re-reads the output (must be 0)")
     cfg = {"target": getattr(target, "name", "model"), "device": describe_device(target.device),
            "dtype": str(target.dtype).replace("torch.", ""), "backend": getattr(target, "backend", "hf"),
            "max_new_tokens": max_new_tokens,

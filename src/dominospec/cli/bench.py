@@ -74,6 +74,10 @@ def cmd_bench(args) -> int:
             log(f"wrote {path} (read by --block-size auto)")
     print(format_method_table(results["methods"]))
     log(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+    bad = {n: m["not_near_tie"] for n, m in results["methods"].items() if m.get("not_near_tie")}
+    if bad:
+        raise DominoError(f"outputs differ from the target's own choices by more than a near-tie: {bad} tokens "
+                          "(a bug, not rounding); see report.md")
     return 0
 
 

@@ -168,6 +168,12 @@ class KVCache:
             raise ValueError("crop() is for batch 1; use set_length(row, n)")
         self.set_length(0, n)
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every row not in `rows` (finished sequences of a batch), keeping their order."""
+        idx = torch.tensor(rows, device=self.k.device)
+        self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
+        self.lengths = [self.lengths[r] for r in rows]
+
     def reset(self) -> None:
         self.lengths = [0] * self.batch
 
