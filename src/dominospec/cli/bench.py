@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
@@ -14,14 +12,17 @@ from ..bench.runner import (
     load_prompt_sets,
     parse_methods,
 )
+from ..data.prompts import check_prompt_file
 from ..decode.cost import profile_verify_cost
 from ..errors import DominoError
+from ..io import ensure_writable_dir
 from ..log import log
-from ..sampling import SamplingConfig
 from .common import (
     add_sampling_args,
     add_target_args,
+    require_at_least,
     resolve_drafter,
+    sampling_from_args,
     target_from_args,
 )
 
@@ -29,19 +30,16 @@ from .common import (
 def cmd_bench(args) -> int:
     if not args.prompts and not args.profile:
         raise DominoError("nothing to do: give --prompts FILE.jsonl (one or more), --profile, or both")
-    for name in ("max_new_tokens", "limit", "block_size", "context", "max_k", "repeats", "threads"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise DominoError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    # arguments and the output directory first: nothing is loaded or run before they are sound
+    require_at_least(args, 1, "max_new_tokens", "limit", "block_size", "context", "max_k", "repeats", "threads")
     groups = parse_methods(args.methods)
     for p in args.prompts:
-        if not Path(p).is_file():
-            raise DominoError(f"--prompts {p}: no such file")
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        check_prompt_file(p)
+    sampling = sampling_from_args(args)
+    out = ensure_writable_dir(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = target_from_args(args)
-    out = Path(args.out)
 
     if args.profile:
         log(f"profiling verify cost: 1..{args.max_k} new tokens after a {args.context}-token context, "
@@ -63,7 +61,7 @@ def cmd_bench(args) -> int:
     methods, notes = build_methods(groups, drafters, args.block_size)
     for n in notes:
         log(n)
-    datasets = load_prompt_sets(args.prompts, target, args.limit)
+    datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
     log(f"benchmarking {', '.join(m.name for m in methods)} on "
         + ", ".join(f"{d} ({len(p)})" for d, p in datasets.items()))
     results = benchmark(target, datasets, methods, out, max_new_tokens=args.max_new_tokens, sampling=sampling,

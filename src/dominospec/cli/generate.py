@@ -6,24 +6,34 @@ import json
 import sys
 
 from ..decode import generate_autoregressive, generate_speculative
+from ..errors import DominoError
 from ..log import log
-from ..sampling import SamplingConfig
+from ..target.context import encode_if_fits
 from .common import (
     add_sampling_args,
     add_target_args,
+    require_at_least,
     resolve_drafter,
+    sampling_from_args,
     target_from_args,
 )
 
 
 def cmd_generate(args) -> int:
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    # arguments first: a mistake is reported before any model loads
+    if not args.prompt.strip():
+        raise DominoError("PROMPT is empty: give the message to answer, e.g. dominospec generate \"Hello\"")
+    require_at_least(args, 1, "max_new_tokens", "block_size")
+    sampling = sampling_from_args(args)
     target = target_from_args(args)
     drafter = resolve_drafter(target, args.drafter, args.no_draft)
     if drafter is None and not args.no_draft:
         log("no drafter given and none is shipped for this target: plain decoding "
             "(train one with `dominospec train`, or pass --drafter DIR)")
-    prompt_ids = target.encode_raw(args.prompt) if args.raw else target.encode_chat(args.prompt)
+    prompt_ids, too_long = encode_if_fits(args.prompt, target.encode_raw if args.raw else target.encode_chat,
+                                          target.max_positions, target.max_token_chars)
+    if too_long:
+        raise DominoError(f"PROMPT {too_long}")
     stream = None
     if not args.json:
         shown = {"ids": [], "printed": 0}
@@ -40,6 +50,8 @@ def cmd_generate(args) -> int:
         res = generate_speculative(target, drafter, prompt_ids, args.max_new_tokens, sampling, args.seed,
                                    block_size=args.block_size, on_tokens=stream)
     text = target.decode(res.tokens)
+    for note in res.notes:
+        log(note)
     if args.json:
         print(json.dumps(res.to_dict(text)))
         return 0
