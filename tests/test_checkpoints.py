@@ -107,3 +107,21 @@ def test_invalid_config_values_are_named():
     with pytest.raises(DominoError, match="num_attention_heads 6 is not a multiple of num_key_value_heads 4"):
         DrafterConfig(hidden_size=32, vocab_size=10, target_num_layers=4, target_layer_ids=[1],
                       num_attention_heads=6, num_key_value_heads=4)
+
+
+def test_a_drafter_with_nan_weights_is_refused_naming_the_tensor(tmp_path, qwen3_target):
+    drafter = tiny_drafter(qwen3_target)
+    with torch.no_grad():
+        drafter.fc.weight[0, :3] = float("nan")
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(DominoError, match=r"model.safetensors: tensor fc.weight holds 3 NaN/inf value\(s\); the "
+                                          r"drafter is damaged \(a diverged training run\?\)"):
+        Drafter.from_pretrained(tmp_path, target=qwen3_target)
+
+
+def test_a_file_given_as_drafter_is_called_a_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"")
+    with pytest.raises(DominoError, match=rf"drafter {path} is a file; a drafter is a directory holding config.json "
+                                          "and model.safetensors"):
+        Drafter.from_pretrained(path)

@@ -24,13 +24,15 @@ from typing import Sequence
 
 import torch
 
-from ..data.prompts import read_first_turns
+from ..data.prompts import read_prompt_file
 from ..decode import generate_autoregressive, generate_speculative
 from ..decode.cost import ACCEPTANCE_NAME
 from ..devices import describe_device, synchronize
 from ..errors import DominoError
-from ..io import write_atomic, write_json_atomic
+from ..io import ensure_writable_dir, write_atomic, write_json_atomic
+from ..log import log
 from ..sampling import SamplingConfig
+from ..target.context import cap_new_tokens, encode_if_fits
 from ..version import __version__
 from .metrics import REFERENCE, PromptRun, summarize, tokens_per_second
 from .report import render_report, write_plots
@@ -142,7 +144,8 @@ def run_one(target, method: Method, prompt_ids: Sequence[int], max_new_tokens: i
         res = generate_speculative(target, method.drafter, prompt_ids, max_new_tokens, sampling, seed,
                                    block_size=method.block_size, use_head=method.use_head)
         return PromptRun.from_generation(res, method.name, dataset, prompt_index)
-    if method.kind in ("hf", "pld"):
+    if method.kind in ("hf", "pld"):  # capped at the context like the adapter's own decoding
+        max_new_tokens = cap_new_tokens(max_new_tokens, len(prompt_ids), target.max_positions)
         if not sampling.greedy:
             torch.manual_seed(seed)
         synchronize(target.device)
@@ -207,9 +210,13 @@ def benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequence[Me
               warmup: bool = True, progress: bool = True, plots: bool = True, notes: Sequence[str] = (),
               config: dict | None = None) -> dict:
     """Run, summarise and write DIR/results.json, runs.jsonl, report.md and plots; returns the results."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_writable_dir(out_dir)  # before the run: a result that cannot be written is lost
     notes = list(notes)
+    capped = sum(cap_new_tokens(max_new_tokens, len(p), target.max_positions) < max_new_tokens
+                 for prompts in datasets.values() for p in prompts)
+    if capped:
+        notes.append(f"{capped} prompt(s) leave less than max_new_tokens {max_new_tokens} of the target's context "
+                     f"({target.max_positions} positions): every method's answer to them is cut there")
     t0 = time.time()
     runs = run_benchmark(target, datasets, methods, max_new_tokens, sampling, seed, warmup, progress)
     compare = sampling.greedy
@@ -263,18 +270,31 @@ def _versions() -> dict:
 
 # ----- prompt files -----
 
-def load_prompt_sets(paths: Sequence[str], target, limit: int | None = None) -> dict[str, list[list[int]]]:
-    """One dataset per file, named after its stem; prompts chat-templated into token ids."""
+def load_prompt_sets(paths: Sequence[str], target, limit: int | None = None,
+                     report=None) -> dict[str, list[list[int]]]:
+    """One dataset per file, named after its stem; prompts chat-templated into token ids.
+
+    A prompt that leaves no answer room in the target's context is reported as FILE:LINE and left out.
+    """
+    report = report or log
     datasets: dict[str, list[list[int]]] = {}
     for p in paths:
-        prompts = read_first_turns(p)[:limit] if limit else read_first_turns(p)
+        conversations = read_prompt_file(p, source=str(p), report=report)[:limit]  # ids: FILE:LINE
+        prompts = []
+        for conv in conversations:
+            ids, too_long = encode_if_fits(conv.turns[0], target.encode_chat, target.max_positions,
+                                           target.max_token_chars)
+            if too_long:
+                report(f"{conv.id}: prompt {too_long}; skipped")
+            else:
+                prompts.append(ids)
         if not prompts:
-            raise DominoError(f"--prompts {p}: no prompts found (expected JSONL with 'turns', 'conversations', "
-                              "'messages' or 'prompt')")
+            raise DominoError(f"--prompts {p}: no usable prompts (expected JSONL with 'turns', 'conversations', "
+                              "'messages' or 'prompt', short enough for the target's context)")
         name, n = Path(p).stem, 2
         while name in datasets:
             name, n = f"{Path(p).stem}-{n}", n + 1
-        datasets[name] = [target.encode_chat(text) for text in prompts]
+        datasets[name] = prompts
     return datasets
 
 

@@ -2,32 +2,27 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
 from ..bench.runner import DEFAULT_METHODS, benchmark, build_methods, load_prompt_sets, parse_methods, save_acceptance
+from ..data.prompts import check_prompt_file
 from ..decode.cost import auto_block_size, profile_verify_cost
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
-from ..sampling import SamplingConfig
-from .common import (add_sampling_args, add_target_args, block_size_arg, resolve_drafter, target_from_args,
-                     warn_if_reduced_precision)
+from .common import (add_sampling_args, add_target_args, block_size_arg, require_at_least, resolve_drafter,
+                     sampling_from_args, target_from_args, warn_if_reduced_precision)
 
 
 def cmd_bench(args) -> int:
     if not args.prompts and not args.profile:
         raise DominoError("nothing to do: give --prompts FILE.jsonl (one or more), --profile, or both")
-    for name in ("max_new_tokens", "limit", "context", "max_k", "repeats"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise DominoError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    # arguments and the output directory first: nothing is loaded or run before they are sound
+    require_at_least(args, 1, "max_new_tokens", "limit", "context", "max_k", "repeats")
     groups = parse_methods(args.methods)
     for p in args.prompts:
-        if not Path(p).is_file():
-            raise DominoError(f"--prompts {p}: no such file")
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    out = ensure_writable_dir(args.out)  # before any work: a benchmark's results are never lost to a bad --out
+        check_prompt_file(p)
+    sampling = sampling_from_args(args)
+    out = ensure_writable_dir(args.out)  # a benchmark's results are never lost to a bad --out
     target = target_from_args(args)
     warn_if_reduced_precision(target)
 
@@ -58,7 +53,7 @@ def cmd_bench(args) -> int:
     methods, notes = build_methods(groups, drafters, block_size)
     for n in notes:
         log(n)
-    datasets = load_prompt_sets(args.prompts, target, args.limit)
+    datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
     log(f"benchmarking {', '.join(m.name for m in methods)} on "
         + ", ".join(f"{d} ({len(p)})" for d, p in datasets.items()))
     results = benchmark(target, datasets, methods, out, max_new_tokens=args.max_new_tokens, sampling=sampling,

@@ -7,10 +7,19 @@ import argparse
 import torch
 
 from ..drafter import HEADS, Drafter, shipped_drafter_dir
-from ..errors import DominoError
+from ..errors import DominoError, flag
 from ..log import log, log_once
+from ..sampling import SamplingConfig, check_sampling
 from ..target import DEFAULT_TARGET, Target, parse_layer_ids
 from ..target.hf import BACKENDS
+
+
+def require_at_least(args, minimum: int, *names: str) -> None:
+    """Refuse a numeric flag below `minimum`, naming it (flags left unset, None, are skipped)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            raise DominoError(f"{flag(name)} must be at least {minimum}, got {value}")
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +42,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
 
 
+def sampling_from_args(args) -> SamplingConfig:
+    """--temperature/--top-k/--top-p, checked with the flags' names in the message."""
+    check_sampling(args.temperature, args.top_k, args.top_p, prefix="--")
+    return SamplingConfig(args.temperature, args.top_k, args.top_p)
+
+
 def add_arch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default="domino", choices=list(HEADS), help="sequential head (default %(default)s)")
     p.add_argument("--layers", type=int, default=2, help="draft backbone layers (default %(default)s)")
@@ -44,6 +59,12 @@ def add_arch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="an unused vocabulary id as MASK (default: a learned mask vector)")
     p.add_argument("--layer-ids", default=None, help="target feature layers, e.g. 1,8,14,20,27 (default: evenly spaced)")
+
+
+def check_arch_args(args) -> None:
+    """The drafter-shape flags, checked before any model is loaded."""
+    require_at_least(args, 1, "layers", "block_size", "intermediate_size", "gru_hidden_size", "rank")
+    require_at_least(args, 0, "mask_token_id")
 
 
 def arch_from_args(args, target) -> dict:

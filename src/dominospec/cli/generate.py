@@ -7,14 +7,19 @@ import sys
 
 from ..decode import generate_autoregressive, generate_speculative
 from ..decode.cost import auto_block_size
+from ..errors import DominoError
 from ..log import log
-from ..sampling import SamplingConfig
-from .common import (add_sampling_args, add_target_args, block_size_arg, resolve_drafter, target_from_args,
-                     warn_if_reduced_precision)
+from ..target.context import encode_if_fits
+from .common import (add_sampling_args, add_target_args, block_size_arg, require_at_least, resolve_drafter,
+                     sampling_from_args, target_from_args, warn_if_reduced_precision)
 
 
 def cmd_generate(args) -> int:
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    # arguments first: a mistake is reported before any model loads
+    if not args.prompt.strip():
+        raise DominoError("PROMPT is empty: give the message to answer, e.g. dominospec generate \"Hello\"")
+    require_at_least(args, 1, "max_new_tokens")  # --block-size is checked by its argument type
+    sampling = sampling_from_args(args)
     target = target_from_args(args)
     drafter = resolve_drafter(target, args.drafter, args.no_draft)
     if drafter is None and not args.no_draft:
@@ -29,7 +34,10 @@ def cmd_generate(args) -> int:
             log(note)
             if block_size == 0:
                 drafter = None
-    prompt_ids = target.encode_raw(args.prompt) if args.raw else target.encode_chat(args.prompt)
+    prompt_ids, too_long = encode_if_fits(args.prompt, target.encode_raw if args.raw else target.encode_chat,
+                                          target.max_positions, target.max_token_chars)
+    if too_long:
+        raise DominoError(f"PROMPT {too_long}")
     stream = None
     if not args.json:
         shown = {"ids": [], "printed": 0}
@@ -46,6 +54,8 @@ def cmd_generate(args) -> int:
         res = generate_speculative(target, drafter, prompt_ids, args.max_new_tokens, sampling, args.seed,
                                    block_size=block_size, on_tokens=stream)
     text = target.decode(res.tokens)
+    for note in res.notes:
+        log(note)
     if args.json:
         print(json.dumps(res.to_dict(text)))
         return 0

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from ..drafter import Drafter
+from ..io import ensure_writable_dir
 from ..log import log
-from .common import add_arch_args, add_target_args, arch_from_args, target_from_args
+from .common import add_arch_args, add_target_args, arch_from_args, check_arch_args, target_from_args
 
 
 def cmd_init(args) -> int:
+    check_arch_args(args)  # before loading anything
+    ensure_writable_dir(args.out)
     target = target_from_args(args)
     drafter = Drafter.for_target(target, **arch_from_args(args, target))
     drafter.save_pretrained(args.out)

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 from ..data.prepare import SHARD_BATCHES, PrepareConfig, prepare_data
 from ..data.sources import load_prompts
-from ..errors import DominoError
+from ..io import ensure_writable_dir
 from ..log import log
-from .common import add_target_args, target_from_args
+from .common import add_target_args, require_at_least, target_from_args
 
 
 def cmd_prepare(args) -> int:
-    shard_size = args.shard_size or SHARD_BATCHES * args.batch_size
+    # every argument is checked before anything is loaded or written
+    shard_size = args.shard_size if args.shard_size is not None else SHARD_BATCHES * args.batch_size
     cfg = PrepareConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, batch_size=args.batch_size, shard_size=shard_size)
-    if args.limit is not None and args.limit < 1:
-        raise DominoError(f"--limit must be at least 1, got {args.limit}")
+    require_at_least(args, 1, "limit")
+    ensure_writable_dir(args.out)
     conversations, sources = load_prompts(args.prompts, seed=args.seed, limit=args.limit,
                                           on_error=args.on_error, report=log)
     turns = sum(len(c.turns) for c in conversations)
     log(f"{len(conversations)} conversations ({turns} user turns) from {len(sources)} source(s)")
     target = target_from_args(args)
-    prepare_data(target, conversations, args.out, cfg, sources=sources)
+    prepare_data(target, conversations, args.out, cfg, sources=sources, on_error=args.on_error)
     return 0
 
 
@@ -46,5 +47,6 @@ def add_parser(sub) -> None:
                    help=f"conversations per shard file, a multiple of --batch-size (default {SHARD_BATCHES} batches)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed, also picks the builtin prompts (default 0)")
     p.add_argument("--on-error", choices=("skip", "fatal"), default="skip",
-                   help="malformed prompt lines: report and skip (default), or stop")
+                   help="malformed prompt lines and prompts too long for the target's context: report and "
+                        "skip (default), or stop")
     p.set_defaults(func=cmd_prepare)

@@ -2,30 +2,33 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ..data.dataset import load_dataset_dir
 from ..drafter import Drafter
 from ..errors import DominoError
+from ..io import ensure_writable_dir
 from ..log import log
 from ..train.distributed import init_distributed
 from ..train.samples import draft_vocab_coverage, fresh_drafter, validate_samples
 from ..train.trainer import TrainConfig, Trainer
-from .common import add_arch_args, add_target_args, arch_from_args, target_from_args
+from .common import add_arch_args, add_target_args, arch_from_args, check_arch_args, require_at_least, target_from_args
 
 SAVE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def cmd_train(args) -> int:
-    target = target_from_args(args)
-    out = Path(args.out)
-    meta, samples = load_dataset_dir(args.data, target=target)
+    # every number and the output locations are checked before the target or the data load
     cfg = TrainConfig(max_steps=args.max_steps, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
                       lr=args.lr, gamma=args.gamma, lambda_start=args.lambda_start, lambda_decay=args.lambda_decay,
                       max_seq_len=args.max_seq_len, seed=args.seed, save_every=args.save_every)
-    validate_samples(samples, target, cfg.max_seq_len, str(args.data))
+    check_arch_args(args)
+    require_at_least(args, 0, "draft_vocab")
+    out = ensure_writable_dir(args.out)
+    cache = ensure_writable_dir(args.feature_cache, "--feature-cache") if args.feature_cache else None
+    target = target_from_args(args)
+    meta, samples = load_dataset_dir(args.data, target=target, allow_other_target=args.allow_other_target)
+    samples = validate_samples(samples, target, cfg.max_seq_len, str(args.data))
     dev = target.device
     dist = init_distributed(dev)
     if dist.world > 1 and dev.type == "cuda":
@@ -40,18 +43,19 @@ def cmd_train(args) -> int:
         if args.draft_vocab and dist.main:
             log(f"draft vocabulary: {args.draft_vocab} tokens cover {draft_vocab_coverage(drafter, samples):.1%} "
                 f"of the supervised training tokens")
-    cache = Path(args.feature_cache) if args.feature_cache else None
     if cache and dist.main:
         tokens = sum(len(s["input_ids"]) for s in samples)
         rows = len(drafter.config.target_layer_ids) + drafter.head.needs_target_probs  # + final hidden
         per_token = 2 * target.hidden_size * rows
         log(f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
             f"(fp16, {len(drafter.config.target_layer_ids)} layers)")
-        cache.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(target, drafter, samples, out, cfg, dist=dist, feature_cache=cache,
                       save_dtype=SAVE_DTYPES[args.save_dtype])
-    if args.resume and trainer.load_checkpoint() and dist.main:
-        log(f"resumed {out} at step {trainer.step}/{trainer.total}")
+    if args.resume:
+        resumed = trainer.load_checkpoint()
+        if dist.main:
+            log(f"resumed {out} at step {trainer.step}/{trainer.total}" if resumed
+                else f"--resume: no checkpoint found in {out / 'train_state'}, starting fresh")
     if dist.main:
         n = drafter.num_trainable_parameters()
         log(f"training a {drafter.config.head} drafter ({n / 1e6:.2f}M parameters) on {len(samples)} samples "
@@ -70,6 +74,9 @@ def add_parser(sub) -> None:
                                    "features computed online. Works under torchrun (DDP: gloo on CPU, NCCL on GPU).")
     add_target_args(p)
     p.add_argument("--data", required=True, help="directory written by prepare-data")
+    p.add_argument("--allow-other-target", action="store_true",
+                   help="train on data written by another target (same tokenizer); normally refused, as a "
+                        "drafter learns to predict the model that wrote its data")
     p.add_argument("--out", required=True, help="output directory: the drafter, metrics.jsonl, training.png")
     add_arch_args(p)
     p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
@@ -85,7 +92,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lambda-start", type=float, default=1.0, help="domino curriculum start (default %(default)s)")
     p.add_argument("--lambda-decay", type=float, default=1.0,
                    help="fraction of the run over which lambda falls to 0 (default %(default)s)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="longest sample accepted (default %(default)s)")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="samples are cut to this many tokens (or the target's context, if shorter) "
+                        "(default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps (default %(default)s)")
     p.add_argument("--save-dtype", default="float32", choices=list(SAVE_DTYPES),

@@ -24,7 +24,7 @@ def read_meta(data_dir: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as exc:
         raise DominoError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -34,8 +34,13 @@ def read_meta(data_dir: Path) -> dict | None:
 
 
 
-def load_dataset_dir(data_dir: str | Path, target=None) -> tuple[dict, list[dict]]:
-    """(meta, samples) of a prepare-data directory, validated; with a target, checks it is the same tokenizer."""
+def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool = False) -> tuple[dict, list[dict]]:
+    """(meta, samples) of a prepare-data directory, validated; with a target, checks it is the same tokenizer.
+
+    Data written by another target is refused even when the tokenizer is the same (its answers
+    are that model's, not this one's) unless allow_other_target. Files are read as utf-8-sig, so
+    a byte-order mark added by an editor is not taken for part of the first line.
+    """
     d = Path(data_dir)
     meta = read_meta(d)
     if meta is None:
@@ -43,14 +48,14 @@ def load_dataset_dir(data_dir: str | Path, target=None) -> tuple[dict, list[dict
                           "`dominospec prepare-data`")
     vocab_size = meta["vocab_size"]
     if target is not None:
-        _check_target(meta, target, d)
+        _check_target(meta, target, d, allow_other_target)
         vocab_size = target.vocab_size
     if not meta.get("complete"):
         log(f"warning: {d} is incomplete (prepare-data was interrupted); using the finished shards. "
                 "Rerun prepare-data with the same arguments to finish it")
     samples, seen = [], set()
     for path in sorted(d.glob("samples-*.jsonl")):
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, 1):
                 sample = _parse_sample(line, vocab_size, f"{path}:{lineno}")
                 if sample["id"] in seen:
@@ -62,7 +67,7 @@ def load_dataset_dir(data_dir: str | Path, target=None) -> tuple[dict, list[dict
     return meta, samples
 
 
-def _check_target(meta: dict, target, d: Path) -> None:
+def _check_target(meta: dict, target, d: Path, allow_other_target: bool) -> None:
     if meta["vocab_size"] != target.vocab_size:
         raise DominoError(f"data {d} was made for a vocabulary of {meta['vocab_size']} tokens "
                           f"(target {meta['target']!r}), but target {target.name!r} has {target.vocab_size}")
@@ -70,6 +75,21 @@ def _check_target(meta: dict, target, d: Path) -> None:
     if ours and theirs and ours != theirs:
         raise DominoError(f"data {d} was made with another tokenizer (target {meta['target']!r}, tokenizer "
                           f"sha256 {ours[:16]}...) than target {target.name!r} (sha256 {theirs[:16]}...)")
+    if not allow_other_target and not _same_model(meta.get("target"), target.name):
+        raise DominoError(f"data {d} was written by target {meta.get('target')!r}, but this run trains for target "
+                          f"{target.name!r}: a drafter learns to predict the model that wrote its data. Make data "
+                          f"with this target (dominospec prepare-data --target {target.name}), or pass "
+                          "--allow-other-target to train on it anyway")
+
+
+def _same_model(recorded: str | None, name: str) -> bool:
+    """The same name, or two spellings of the same model directory."""
+    if recorded == name:
+        return True
+    if recorded is None:
+        return False
+    a, b = Path(recorded), Path(name)
+    return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
 
 
 def _parse_sample(line: str, vocab_size: int, where: str) -> dict:

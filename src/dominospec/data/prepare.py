@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import DominoError
-from ..io import exclusive_lock, is_temporary, write_json_atomic, write_lines_atomic
+from ..io import ensure_writable_dir, exclusive_lock, is_temporary, write_json_atomic, write_lines_atomic
 from ..log import log
 from ..sampling import check_sampling
+from ..target.context import cap_new_tokens, encode_if_fits, prompt_too_long
 from ..version import __version__
 from .dataset import FORMAT, read_meta
 from .prompts import Conversation, prompts_fingerprint
@@ -81,11 +82,12 @@ class ChatCodec:
     decode: Callable[[list[int]], str]         # answer ids -> text for the history (special tokens dropped)
     tokenizer_sha256: str | None = None
     chat_template_sha256: str | None = None
+    max_token_chars: int | None = None         # see target/context.py: prompts too long by characters alone
 
     @classmethod
     def for_target(cls, target) -> "ChatCodec":
         return cls(target.encode_chat, target.decode, target.tokenizer_fingerprint,
-                   target.chat_template_fingerprint)
+                   target.chat_template_fingerprint, target.max_token_chars)
 
 
 # ----- one conversation's token stream -----
@@ -131,23 +133,31 @@ def regenerate_batch(target, codec: ChatCodec, conversations: list[Conversation]
     """Let the target answer every turn of a batch of conversations; returns samples and counts.
 
     An empty answer (nothing but EOS or whitespace) ends its conversation there: it is counted,
-    and the turns before it are kept.
+    and the turns before it are kept. So does a later turn whose prompt (the chat so far) no longer
+    leaves answer room in the target's context. Answers are cut where the batch's longest prompt
+    reaches the end of the context (counted as cut_at_context).
     """
     stats = Counter(conversations=len(conversations))
     builders = [SampleBuilder(c.id) for c in conversations]
     histories: list[list[dict]] = [[] for _ in conversations]
     alive = set(range(len(conversations)))
     eos = set(target.eos_ids)
+    limit = target.max_positions
     for turn in range(max(len(c.turns) for c in conversations)):
         active = [i for i in sorted(alive) if turn < len(conversations[i].turns)]
-        if not active:
-            break
         for i in active:
             histories[i].append({"role": "user", "content": conversations[i].turns[turn]})
-        prompts = [codec.encode(histories[i]) for i in active]
-        answers = target.sample_batch(prompts, cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                                      top_k=cfg.top_k, seed=batch_seed(cfg.seed, first_index, turn))
-        for i, prompt, answer in zip(active, prompts, answers):
+        prompts = {i: codec.encode(histories[i]) for i in active}
+        for i in [i for i in active if prompt_too_long(len(prompts[i]), limit)]:
+            stats["turns_over_context"] += 1
+            alive.discard(i)
+            active.remove(i)
+        if not active:
+            break
+        budget = cap_new_tokens(cfg.max_new_tokens, max(len(prompts[i]) for i in active), limit)
+        answers = target.sample_batch([prompts[i] for i in active], budget, temperature=cfg.temperature,
+                                      top_p=cfg.top_p, top_k=cfg.top_k, seed=batch_seed(cfg.seed, first_index, turn))
+        for i, answer in zip(active, answers):
             text = codec.decode(answer)
             if not text.strip():
                 stats["empty_answers"] += 1
@@ -155,8 +165,9 @@ def regenerate_batch(target, codec: ChatCodec, conversations: list[Conversation]
                 continue
             stats["answers"] += 1
             stats["generated_tokens"] += len(answer)
-            stats["truncated_answers"] += answer[-1] not in eos
-            builders[i].add_turn(turn, prompt, answer)
+            if answer[-1] not in eos:
+                stats["truncated_answers" if budget == cfg.max_new_tokens else "cut_at_context"] += 1
+            builders[i].add_turn(turn, prompts[i], answer)
             histories[i].append({"role": "assistant", "content": text})
     samples = [s for b in builders for s in b.samples()]
     stats.update(samples=len(samples), splits=sum(b.splits for b in builders),
@@ -169,18 +180,22 @@ def regenerate_batch(target, codec: ChatCodec, conversations: list[Conversation]
 
 def prepare_data(target, conversations: list[Conversation], out_dir: str | Path, cfg: PrepareConfig,
                  sources: list[dict] | None = None, codec: ChatCodec | None = None,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, on_error: str = "skip") -> dict:
     """Regenerate `conversations` with `target` into out_dir, resuming whatever an earlier run left.
 
-    Returns the final meta.json content.
+    Conversations whose first prompt leaves no answer room in the target's context are reported
+    and skipped (on_error="fatal": stopped) before anything is generated. Returns the final
+    meta.json content.
     """
+    codec = codec or ChatCodec.for_target(target)
+    conversations, over = fit_to_context(conversations, codec, target.max_positions, on_error)
     if not conversations:
         raise DominoError("no prompts to regenerate")
-    codec = codec or ChatCodec.for_target(target)
     out = Path(out_dir)
     meta = _new_meta(target, codec, cfg, conversations, sources or [])
+    meta["prompts_over_context"] = over
     _check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(out)
     with exclusive_lock(out, "prepare-data"):
         existing = read_meta(out)
         if existing is not None:
@@ -199,6 +214,29 @@ def prepare_data(target, conversations: list[Conversation], out_dir: str | Path,
         write_json_atomic(out / "meta.json", meta)
     _report(out, meta["counts"], run)
     return meta
+
+
+def fit_to_context(conversations: list[Conversation], codec: ChatCodec, max_positions: int | None,
+                   on_error: str = "skip", report=None) -> tuple[list[Conversation], int]:
+    """The conversations whose first prompt leaves answer room in the context, and how many did not.
+
+    Each one left out is reported by its id (<file stem>:<line>); on_error="fatal" stops at the first.
+    """
+    report = report or log
+    kept, over = [], 0
+    for conv in conversations:
+        _, reason = encode_if_fits(conv.turns[0], lambda text: codec.encode([{"role": "user", "content": text}]),
+                                   max_positions, codec.max_token_chars)
+        if reason is None:
+            kept.append(conv)
+            continue
+        if on_error == "fatal":
+            raise DominoError(f"prompt {conv.id} {reason}")
+        report(f"prompt {conv.id} {reason}; skipped")
+        over += 1
+    if over:
+        report(f"skipped {over} prompt(s) too long for the target's context of {max_positions} positions")
+    return kept, over
 
 
 def _generate_missing_shards(target, codec, conversations, out: Path, cfg: PrepareConfig, progress: bool) -> Counter:
@@ -243,6 +281,8 @@ def _generate_shard(target, codec, conversations, lo: int, hi: int, cfg: Prepare
 def _report(out: Path, counts: dict, run: Counter) -> None:
     for key, what in (("empty_answers", "empty answer(s) skipped"),
                       ("truncated_answers", "answer(s) cut at --max-new-tokens"),
+                      ("cut_at_context", "answer(s) cut at the end of the target's context"),
+                      ("turns_over_context", "later turn(s) dropped: the chat so far filled the target's context"),
                       ("splits", "conversation(s) split where the template re-rendered the history")):
         if counts.get(key):
             log(f"warning: {counts[key]} {what}")
@@ -271,7 +311,7 @@ def _sum_shard_stats(out: Path, n_shards: int) -> dict:
     for k in range(n_shards):
         total.update(json.loads(_stats_path(out, k).read_text()))
     keys = ("conversations", "samples", "answers", "generated_tokens", "tokens", "supervised_tokens",
-            "empty_answers", "truncated_answers", "splits")
+            "empty_answers", "truncated_answers", "cut_at_context", "turns_over_context", "splits")
     return {key: int(total[key]) for key in keys}
 
 

@@ -70,18 +70,30 @@ def _message_text(message: dict):
     return content
 
 
+def check_prompt_file(path: str | Path) -> Path:
+    """A prompt file that exists and is a file; the error says which of the two it is not."""
+    path = Path(path)
+    if path.is_dir():
+        raise DominoError(f"--prompts {path} is a directory; give a JSONL file (one prompt per line)")
+    if not path.is_file():
+        raise DominoError(f"--prompts {path}: no such file (a JSONL file; prepare-data also takes builtin:N "
+                          "and hf:NAME)")
+    return path
+
+
 def read_prompt_file(path: str | Path, on_error: str = "skip", source: str | None = None,
                      report=None) -> list[Conversation]:
-    """Conversations of a JSONL file; ids are "<source>:<line number>" (source: the file stem)."""
+    """Conversations of a JSONL file; ids are "<source>:<line number>" (source: the file stem).
+
+    Read as utf-8-sig: a byte-order mark some editors put at the start is not part of line 1.
+    """
     report = report or log
-    path = Path(path)
     if on_error not in ("skip", "fatal"):
         raise DominoError(f"on_error must be 'skip' or 'fatal', got {on_error!r}")
-    if not path.is_file():
-        raise DominoError(f"prompt file {path}: no such file (use a JSONL file, builtin[:N] or hf:NAME)")
+    path = check_prompt_file(path)
     source = source or path.stem
     conversations, skipped = [], 0
-    with path.open(encoding="utf-8", errors="replace") as f:
+    with path.open(encoding="utf-8-sig", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -142,7 +154,4 @@ def prompts_fingerprint(conversations: list[Conversation]) -> str:
 
 def read_first_turns(path) -> list[str]:
     """The first user turn of each conversation in a prompt file (benchmark prompts)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DominoError(f"--prompts {path}: no such file")
     return [c.turns[0] for c in read_prompt_file(path) if c.turns]

@@ -19,6 +19,7 @@ import torch
 from ..devices import synchronize
 from ..errors import DominoError
 from ..sampling import SamplingConfig, accept_greedy, accept_rejection, sample, warp_probs
+from ..target.context import cap_new_tokens
 from .propose import draft_block
 from .result import GenerationResult
 
@@ -51,6 +52,19 @@ def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int) -> torch.Tenso
     return torch.tensor([list(prompt_ids)], dtype=torch.long)
 
 
+def _fit_budget(target, prompt_len: int, max_new_tokens: int, notes: list[str]) -> int:
+    """max_new_tokens capped so prompt and answer fit the target's context; the cap is noted."""
+    limit = target.max_positions
+    budget = cap_new_tokens(max_new_tokens, prompt_len, limit)
+    if budget < 1:
+        raise DominoError(f"the prompt has {prompt_len} tokens and fills the target's context of {limit} "
+                          "positions: there is no room for an answer")
+    if budget < max_new_tokens:
+        notes.append(f"max_new_tokens {max_new_tokens} capped at {budget}: the prompt ({prompt_len} tokens) and "
+                     f"the answer must fit the target's context of {limit} positions")
+    return budget
+
+
 @torch.inference_mode()
 def generate_autoregressive(target, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                             sampling: SamplingConfig = SamplingConfig(), seed: int | None = 0,
@@ -62,6 +76,7 @@ def generate_autoregressive(target, prompt_ids: Sequence[int], max_new_tokens: i
     eos = set(target.eos_ids if eos_ids is None else eos_ids)
     gen = _generator(seed, dev)
     res = GenerationResult(tokens=[], prompt_len=ids.shape[1])
+    max_new_tokens = _fit_budget(target, res.prompt_len, max_new_tokens, res.notes)
     t0 = time.perf_counter()
     cache = target.new_cache(max_len=ids.shape[1] + max_new_tokens + 1)
     out = target.forward(ids, cache, last_logits_only=True, with_features=False)
@@ -96,6 +111,8 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
     eos = set(target.eos_ids if eos_ids is None else eos_ids)
     gen = _generator(seed, dev)
     res = GenerationResult(tokens=[], prompt_len=ids.shape[1], block_size=b)
+    max_new_tokens = _fit_budget(target, res.prompt_len, max_new_tokens, res.notes)
+    limit = target.max_positions
 
     t0 = time.perf_counter()
     tcache, dcache = target.new_cache(max_len=ids.shape[1] + max_new_tokens + b + 1), drafter.new_cache()
@@ -111,9 +128,11 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
     done = tok in eos or max_new_tokens <= 1
     while not done:
         committed_len = res.prompt_len + len(res.tokens)  # the anchor is the last committed token
+        # the verify block takes positions committed_len-1 .. committed_len-1+drafts: keep it in the context
+        drafts_now = b if limit is None else min(b, limit - committed_len)
         anchor = torch.tensor([tok], device=dev)
         t1 = time.perf_counter()
-        proposal = draft_block(drafter, dcache, anchor, b, sampling, gen, use_head)
+        proposal = draft_block(drafter, dcache, anchor, drafts_now, sampling, gen, use_head)
         drafts = proposal.drafts
         synchronize(dev)
         t2 = time.perf_counter()

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DominoError
-from ..io import atomic_path, write_atomic
+from ..io import atomic_path, ensure_writable_dir, write_atomic
 from .config import CONFIG_NAME, FORMAT, WEIGHTS_NAME, DrafterConfig
 
 SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "drafters"
@@ -28,8 +28,7 @@ def save_checkpoint(config: DrafterConfig, state: dict[str, torch.Tensor], direc
     """config.json + model.safetensors, each written atomically (weights first)."""
     from safetensors.torch import save_file
 
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_writable_dir(directory, "drafter directory")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": FORMAT})

@@ -1,11 +1,13 @@
 """The target model: the only package that calls transformers.
 
 features.py  which decoder layers feed the drafter
+context.py   how much of the context a prompt leaves for the answer
 hf.py        Target: the adapter over a transformers model (forward, cache, tables, text)
 generate.py  transformers' own generate (benchmark baselines, batched sampling for data)
 load.py      aliases, local directories, hub ids; GGUF conversion of the bundled model
 """
 
+from .context import MIN_ANSWER_TOKENS, cap_new_tokens, encode_if_fits, prompt_too_long
 from .features import check_layer_ids, default_layer_ids, parse_layer_ids
 from .hf import Target, TargetOutput
 from .load import BUNDLED_ALIASES, DEFAULT_TARGET
@@ -13,4 +15,5 @@ from .load import BUNDLED_ALIASES, DEFAULT_TARGET
 load_target = Target.load
 
 __all__ = ["Target", "TargetOutput", "load_target", "DEFAULT_TARGET", "BUNDLED_ALIASES",
+           "MIN_ANSWER_TOKENS", "cap_new_tokens", "encode_if_fits", "prompt_too_long",
            "check_layer_ids", "default_layer_ids", "parse_layer_ids"]

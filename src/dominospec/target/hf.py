@@ -17,6 +17,7 @@ import hashlib
 import inspect
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -98,6 +99,15 @@ class Target:
         """The longest sequence the target was built for (None when its config does not say)."""
         n = getattr(self.model.config, "max_position_embeddings", None)
         return int(n) if n else None
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters one token stands for (its longest vocabulary entry; byte-level and
+        SentencePiece entries are never shorter than their text), so text of n characters has at
+        least n / max_token_chars tokens. None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        return max((len(t) for t in self.tokenizer.get_vocab()), default=None)
 
     @property
     def arch(self) -> dict:

@@ -6,14 +6,17 @@ import json
 from pathlib import Path
 
 from ..io import atomic_path
+from ..log import log_once
 
 
 def plot_metrics(metrics_path: Path, png: Path) -> bool:
+    """Draw `png` from metrics.jsonl; False (said once) when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        log_once(f"matplotlib is not installed: no {png.name} (pip install matplotlib)")
         return False
     recs = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
     if not recs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DominoError
+from ..log import log
 
 
 def frequent_tokens(samples: list[dict], n: int, vocab_size: int, always: list[int]) -> torch.Tensor:
@@ -21,27 +22,44 @@ def frequent_tokens(samples: list[dict], n: int, vocab_size: int, always: list[i
     return counts.topk(n).indices.sort().values
 
 
-def validate_samples(samples: list[dict], target, max_len: int, source: str) -> None:
-    """Fail before anything is written: lengths, vocabulary, masks."""
+def validate_samples(samples: list[dict], target, max_len: int, source: str, report=None) -> list[dict]:
+    """The samples to train on, checked before anything is written (vocabulary, masks).
+
+    A sample longer than the context limit (--max-seq-len, or the target's positions if fewer)
+    is cut to it; one left with no two consecutive supervised tokens is dropped. Both are
+    counted in one log line rather than refusing the data set.
+    """
+    report = report or log
     if not samples:
         raise DominoError(f"{source}: no samples to train on")
     limit = min(max_len, target.max_positions or max_len)
-    usable = 0
+    kept, cut, dropped, usable = [], 0, 0, 0
     for n, s in enumerate(samples):
         ids, mask = s["input_ids"], s["loss_mask"]
         where = s.get("id", f"sample {n}")
         if len(ids) != len(mask):
             raise DominoError(f"{source}: {where}: {len(ids)} tokens but {len(mask)} loss-mask entries")
-        if len(ids) > limit:
-            raise DominoError(f"{source}: {where} has {len(ids)} tokens, longer than the context limit {limit} "
-                              f"(--max-seq-len / the target's max_position_embeddings)")
         if ids and max(ids) >= target.vocab_size:
             raise DominoError(f"{source}: {where} has token id {max(ids)} outside the target's vocabulary "
                               f"({target.vocab_size}); was the data made for another target?")
-        usable += any(a and b for a, b in zip(mask[:-1], mask[1:]))
+        if len(ids) > limit:
+            cut += 1
+            s = {**s, "input_ids": ids[:limit], "loss_mask": mask[:limit]}
+            if not _has_anchor(s["loss_mask"]):
+                dropped += 1
+                continue
+        usable += _has_anchor(s["loss_mask"])
+        kept.append(s)
+    if cut:
+        report(f"{source}: {cut} sample(s) longer than the context limit {limit} (--max-seq-len / the target's "
+               f"max_position_embeddings) cut to it; {dropped} of them dropped, no answer left within the limit")
     if usable == 0:
         raise DominoError(f"{source}: every sample is fully masked (no two consecutive supervised tokens)")
+    return kept
 
+
+def _has_anchor(mask: list[int]) -> bool:
+    return any(a and b for a, b in zip(mask[:-1], mask[1:]))
 
 
 def fresh_drafter(target, samples: list[dict], arch: dict, draft_vocab: int, seed: int):

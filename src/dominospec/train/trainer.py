@@ -28,12 +28,19 @@ import torch
 import torch.nn.functional as F
 
 from ..drafter import Drafter
-from ..drafter.checkpoint import save_checkpoint
-from ..errors import DominoError
-from ..io import atomic_path, write_lines_atomic
+from ..drafter.checkpoint import check_state, read_checkpoint, save_checkpoint
+from ..drafter.config import CONFIG_NAME
+from ..errors import DominoError, flag
+from ..io import atomic_path, ensure_writable_dir, exclusive_lock, write_lines_atomic
 from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau
 from .distributed import Dist
 from .plots import plot_metrics
+
+# the flag that sets each drafter config field (the rest follow from the target)
+_DRAFTER_FLAGS = {"head": "--head", "num_layers": "--layers", "block_size": "--block-size",
+                  "intermediate_size": "--intermediate-size", "gru_hidden_size": "--gru-hidden-size",
+                  "rank": "--rank", "confidence_head": "--confidence-head", "mask_token_id": "--mask-token-id",
+                  "draft_vocab_size": "--draft-vocab", "target_layer_ids": "--layer-ids", "target_name": "--target"}
 
 
 @dataclass
@@ -53,6 +60,34 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 50
     log_every: int = 5
+
+    # how often to checkpoint or log does not change the trained drafter; every other field does
+    CHANGEABLE_ON_RESUME = ("save_every", "log_every")
+
+    def __post_init__(self):
+        """Every number checked once, the message naming its flag: a bad one fails before any work."""
+        def finite(x) -> bool:
+            return isinstance(x, (int, float)) and math.isfinite(x)
+
+        rules = [
+            ("max_steps", isinstance(self.max_steps, int) and self.max_steps >= 0, "an integer >= 0"),
+            ("epochs", finite(self.epochs) and self.epochs > 0, "a finite number > 0"),
+            ("batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an integer >= 1"),
+            ("anchors", isinstance(self.anchors, int) and self.anchors >= 1, "an integer >= 1"),
+            ("lr", finite(self.lr) and self.lr > 0, "a finite number > 0"),
+            ("warmup", finite(self.warmup) and 0 <= self.warmup <= 1, "a fraction in [0, 1]"),
+            ("weight_decay", finite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
+            ("clip", finite(self.clip) and self.clip > 0, "a finite number > 0"),
+            ("gamma", self.gamma is None or (finite(self.gamma) and self.gamma > 0), "a finite number > 0"),
+            ("lambda_start", finite(self.lambda_start) and 0 <= self.lambda_start <= 1, "in [0, 1]"),
+            ("lambda_decay", finite(self.lambda_decay) and 0 <= self.lambda_decay <= 1, "a fraction in [0, 1]"),
+            ("max_seq_len", isinstance(self.max_seq_len, int) and self.max_seq_len >= 2, "an integer >= 2"),
+            ("save_every", isinstance(self.save_every, int) and self.save_every >= 1, "an integer >= 1"),
+            ("log_every", isinstance(self.log_every, int) and self.log_every >= 1, "an integer >= 1"),
+        ]
+        for name, ok, want in rules:
+            if not ok:
+                raise DominoError(f"{flag(name)} must be {want}, got {getattr(self, name)!r}")
 
     def position_weights(self, block: int) -> torch.Tensor:
         # published: gamma 7 at block 16; scaled with the block when not given
@@ -223,10 +258,7 @@ class Trainer:
             stats.append(st)
         self.dist.all_sum_grads(self.params)
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip))
-        self.opt.step()
-        self.sched.step()
-        self.step += 1
-        # metrics, reduced over ranks
+        # metrics, reduced over ranks (before the update, so every rank sees a bad loss and stops alike)
         keys = sorted(sums)
         vec = torch.tensor([sums[k] for k in keys] + [
             sum(s["tau_greedy"] * s["blocks"] for s in stats),
@@ -234,6 +266,11 @@ class Trainer:
             sum(s["blocks"] for s in stats), sum(s["tokens"] for s in stats)], dtype=torch.float64,
             device=self.device)
         vec = self.dist.all_sum(vec)
+        if not (math.isfinite(gnorm) and bool(torch.isfinite(vec).all())):
+            self._stop_diverged({k: float(vec[j]) for j, k in enumerate(keys)}, gnorm)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
         dn = float(den)
         rec = {k: float(vec[j]) / dn for j, k in enumerate(keys)}
         blocks = max(1.0, float(vec[-2]))
@@ -244,6 +281,22 @@ class Trainer:
         if self.head.uses_curriculum:
             rec["lambda"] = lam
         return rec
+
+    def _stop_diverged(self, losses: dict, gnorm: float) -> None:
+        """The loss or gradient is NaN/inf: stop before the update, leaving the last checkpoint as it is."""
+        saved = self._saved_step()
+        kept = (f"the last good checkpoint (step {saved}) is kept in {self.state_dir}" if saved is not None
+                else "no checkpoint had been saved yet")
+        terms = ", ".join(f"{k}={v:.4g}" for k, v in losses.items())
+        raise DominoError(f"training stopped at step {self.step + 1}: the loss is not finite ({terms}, gradient "
+                          f"norm {gnorm:.4g}); {kept} and no drafter was exported. A lower --lr usually helps; "
+                          "resuming needs the same settings, so start again with a new --out")
+
+    def _saved_step(self) -> int | None:
+        path = self.state_dir / "trainer.pt"
+        if not self.dist.main or not path.exists():
+            return None
+        return int(torch.load(path, map_location="cpu", weights_only=False)["step"])
 
     # ----- checkpoints -----
     @property
@@ -269,22 +322,32 @@ class Trainer:
             shutil.rmtree(old)
 
     def load_checkpoint(self) -> bool:
-        from safetensors.torch import load_file
-
+        """Continue from OUT/train_state; False when there is none. Refuses a checkpoint made with
+        other settings (every TrainConfig field that changes the result, the drafter's config, the
+        data size), naming each setting with its stored and its new value."""
         d = self.state_dir
         if not d.exists() and (self.out / "train_state.old").exists():
             d = self.out / "train_state.old"  # killed between the two renames
         if not (d / "trainer.pt").exists():
             return False
         st = torch.load(d / "trainer.pt", map_location=self.device, weights_only=False)
+        config, state, w_path = read_checkpoint(d / "drafter")
+        changed = []
         if st["num_samples"] != len(self.samples):
-            raise DominoError(f"{d}: checkpoint was made on {st['num_samples']} samples, the data now has "
-                              f"{len(self.samples)}; use a new --out or the original data")
-        for k in ("batch_size", "seed", "anchors", "max_steps", "epochs"):
-            if st["train_config"].get(k) != getattr(self.cfg, k):
-                raise DominoError(f"{d}: cannot resume with {k}={getattr(self.cfg, k)!r}; "
-                                  f"the checkpoint used {st['train_config'].get(k)!r}")
-        self.drafter.load_state_dict(load_file(str(d / "drafter" / "model.safetensors"), device=str(self.device)))
+            changed.append(f"--data: {len(self.samples)} samples now, {st['num_samples']} in the checkpoint")
+        stored = st["train_config"]
+        for key, now in asdict(self.cfg).items():
+            if key not in TrainConfig.CHANGEABLE_ON_RESUME and stored.get(key) != now:
+                changed.append(f"{flag(key)}: {now!r} now, {stored.get(key)!r} in the checkpoint")
+        mine = self.drafter.config.to_dict()
+        for key, was in config.to_dict().items():
+            if mine.get(key) != was:
+                changed.append(f"{_DRAFTER_FLAGS.get(key, key)}: {mine.get(key)!r} now, {was!r} in the checkpoint")
+        if changed:
+            raise DominoError(f"cannot resume {d} with other settings than it was made with ("
+                              + "; ".join(changed) + "). Rerun with the checkpoint's values, or use a new --out")
+        check_state(state, self.drafter.state_dict(), w_path, d / "drafter" / CONFIG_NAME)
+        self.drafter.load_state_dict(state)
         self.drafter.refresh_head_rows()
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
@@ -296,11 +359,19 @@ class Trainer:
     def fit(self, on_step: Callable[[int], None] | None = None) -> dict:
         """Train to the last step, checkpointing every save_every steps; export the drafter at the end.
 
+        The main process holds OUT/.lock throughout: a second run into the same directory stops
+        with a clear error instead of interleaving metrics and checkpoints.
         on_step(step) runs after each step and its checkpoint (tests use it to die like kill -9).
         """
+        if not self.dist.main:
+            return self._fit(on_step)
+        ensure_writable_dir(self.out)
+        with exclusive_lock(self.out, "train"):
+            return self._fit(on_step)
+
+    def _fit(self, on_step: Callable[[int], None] | None) -> dict:
         metrics_path = self.out / "metrics.jsonl"
         if self.dist.main:
-            self.out.mkdir(parents=True, exist_ok=True)
             if self.step == 0 and metrics_path.exists():
                 metrics_path.unlink()
             elif metrics_path.exists():  # drop records past the checkpoint we resumed from
