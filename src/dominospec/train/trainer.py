@@ -31,7 +31,7 @@ from ..drafter import Drafter
 from ..drafter.checkpoint import save_checkpoint
 from ..errors import DominoError
 from ..io import atomic_path, write_lines_atomic
-from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau
+from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau, teacher_forced_blocks
 from .distributed import Dist
 from .plots import plot_metrics
 
@@ -158,13 +158,9 @@ class Trainer:
         ids = torch.tensor(sample["input_ids"], device=self.device)
         mask = torch.tensor(sample["loss_mask"], device=self.device)
         anchors = anchors.to(self.device)
-        tokens, labels = make_blocks(ids, mask, anchors, self.block)
         d = self.drafter
-        z = d.forward_blocks(feats.unsqueeze(0), anchors, tokens[:, 0])        # [N, B, H]
-        base = d.base_logits(z)                                                # [N, B, V'], frozen head
-        prev_emb = d.embed(tokens).to(z.dtype)
-        delta = d.head.teacher_forced(z, prev_emb, tokens)
-        final = base if delta is None else base + delta
+        tf = teacher_forced_blocks(d, feats, ids, mask, anchors)
+        z, prev_emb, base, final, labels = tf.z, tf.prev_emb, tf.base, tf.final, tf.labels
         if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
             sub = d.to_draft_ids(labels.clamp_min(0))
             labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
