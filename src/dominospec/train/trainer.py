@@ -13,6 +13,7 @@ One optimiser step:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -130,7 +131,9 @@ class Trainer:
         return [result[i] for i in idx]
 
     def _cache_path(self, i: int) -> Path:
-        return self.feature_cache / f"{i:07d}.safetensors"
+        # keyed by content, not by index: another validation split or data set never reads another sample's rows
+        key = json.dumps([self.drafter.config.target_layer_ids, self.samples[i]["input_ids"]])
+        return self.feature_cache / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def _cache_read(self, i: int):
         from safetensors.torch import load_file
