@@ -7,7 +7,7 @@ from dominospec import Drafter, DrafterConfig, Target
 
 
 def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: int = 0,
-                dtype=torch.float64) -> Target:
+                dtype=torch.float64, tied: bool = False, backend: str = "hf") -> Target:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -20,16 +20,16 @@ def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: i
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
                   eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=tied))
     elif family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=False))
+        model = Qwen3ForCausalLM(Qwen3Config(**common, tie_word_embeddings=tied))
     else:
         raise ValueError(family)
     # sharpen the random model so its greedy continuations are not near-uniform
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     model.to(dtype)
-    return Target(model, tokenizer=None, name=f"tiny-{family}")
+    return Target(model, tokenizer=None, name=f"tiny-{family}", backend=backend)
 
 
 def tiny_drafter(target: Target, head: str = "domino", block_size: int = 4, seed: int = 1,

@@ -109,8 +109,10 @@ def test_resume_after_kill_reaches_the_same_weights(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = load_file(str(full / "model.safetensors")), load_file(str(broken / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    steps = [json.loads(l)["step"] for l in (broken / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 9))
+    recs = [json.loads(l) for l in (broken / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r.get("kind") != "val"] == list(range(1, 9))
+    assert [r["step"] for r in recs if r.get("kind") == "val"] == [3, 6, 8]
+    assert (full / "acceptance.json").read_text() == (broken / "acceptance.json").read_text()
 
 
 def test_two_processes_match_one(tmp_path):
@@ -125,6 +127,7 @@ def test_two_processes_match_one(tmp_path):
     assert worst < 1e-5, worst
     la = [json.loads(l) for l in (one / "metrics.jsonl").read_text().splitlines()]
     lb = [json.loads(l) for l in (two / "metrics.jsonl").read_text().splitlines()]
+    la, lb = [r for r in la if r.get("kind") != "val"], [r for r in lb if r.get("kind") != "val"]
     assert [r["ce_final"] for r in la] == pytest.approx([r["ce_final"] for r in lb], rel=1e-5)
     assert [r["tokens"] for r in la] == [r["tokens"] for r in lb]  # the batch was split, not repeated
 

@@ -13,6 +13,7 @@ from conftest import tiny_drafter, tiny_target  # noqa: E402
 from dominospec import generate_autoregressive  # noqa: E402
 from dominospec.train.distributed import init_distributed  # noqa: E402
 from dominospec.train.trainer import TrainConfig, Trainer  # noqa: E402
+from dominospec.train.validate import Validator, split_validation  # noqa: E402
 
 
 def synthetic_samples(target, n=8, prompt_len=5, answer_len=24):
@@ -32,8 +33,13 @@ def main(out: str, steps: int, stop_after: int | None, resume: bool, head: str =
     drafter = tiny_drafter(target, head=head, block_size=4, randomize_head=False, confidence=True)
     drafter.float()  # fp32 master weights as in real training; the target stays float64
     dist = init_distributed(target.device)
-    cfg = TrainConfig(max_steps=steps, batch_size=4, anchors=6, lr=3e-3, save_every=2)
-    trainer = Trainer(target, drafter, synthetic_samples(target), Path(out), cfg, dist=dist, progress=False)
+    # validation on: the best drafter is exported, and resume must keep the best so far (val at 3 and 6
+    # fall between checkpoints at 2, 4, 6, 8)
+    cfg = TrainConfig(max_steps=steps, batch_size=4, anchors=6, lr=3e-3, save_every=2, val_every=3, val_anchors=8)
+    train, val = split_validation(synthetic_samples(target, n=10), 0.2)
+    assert len(train) == 8 and len(val) == 2, (len(train), len(val))
+    trainer = Trainer(target, drafter, train, Path(out), cfg, dist=dist, progress=False,
+                      validator=Validator(target, val, cfg.val_anchors))
     if resume:
         trainer.load_checkpoint()
     def die_like_kill_9(step):  # no cleanup, no atexit: what a killed process leaves behind

@@ -12,6 +12,7 @@ from ..log import log
 from ..train.distributed import init_distributed
 from ..train.samples import draft_vocab_coverage, fresh_drafter, validate_samples
 from ..train.trainer import TrainConfig, Trainer
+from ..train.validate import Validator, shared_sequences, split_validation
 from .common import add_arch_args, add_target_args, arch_from_args, check_arch_args, require_at_least, target_from_args
 
 SAVE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -21,14 +22,27 @@ def cmd_train(args) -> int:
     # every number and the output locations are checked before the target or the data load
     cfg = TrainConfig(max_steps=args.max_steps, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
                       lr=args.lr, gamma=args.gamma, lambda_start=args.lambda_start, lambda_decay=args.lambda_decay,
-                      max_seq_len=args.max_seq_len, seed=args.seed, save_every=args.save_every)
+                      max_seq_len=args.max_seq_len, seed=args.seed, save_every=args.save_every,
+                      val_every=args.val_every, val_anchors=args.val_anchors)
     check_arch_args(args)
     require_at_least(args, 0, "draft_vocab")
+    require_at_least(args, 1, "val_every", "val_anchors")
+    if not 0 <= args.val_fraction < 1:
+        raise DominoError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     out = ensure_writable_dir(args.out)
     cache = ensure_writable_dir(args.feature_cache, "--feature-cache") if args.feature_cache else None
     target = target_from_args(args)
     meta, samples = load_dataset_dir(args.data, target=target, allow_other_target=args.allow_other_target)
     samples = validate_samples(samples, target, cfg.max_seq_len, str(args.data))
+    if args.val_data:
+        val_samples = load_dataset_dir(args.val_data, target=target, allow_other_target=args.allow_other_target)[1]
+        val_samples = validate_samples(val_samples, target, cfg.max_seq_len, str(args.val_data))
+        shared = shared_sequences(samples, val_samples)
+        if shared:
+            log(f"warning: {shared} of the {len(val_samples)} samples in {args.val_data} also appear in {args.data}; "
+                f"validation on them overstates acceptance")
+    else:
+        samples, val_samples = split_validation(samples, args.val_fraction)
     dev = target.device
     dist = init_distributed(dev)
     if dist.world > 1 and dev.type == "cuda":
@@ -49,8 +63,9 @@ def cmd_train(args) -> int:
         per_token = 2 * target.hidden_size * rows
         log(f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
             f"(fp16, {len(drafter.config.target_layer_ids)} layers)")
+    validator = Validator(target, val_samples, cfg.val_anchors) if val_samples else None
     trainer = Trainer(target, drafter, samples, out, cfg, dist=dist, feature_cache=cache,
-                      save_dtype=SAVE_DTYPES[args.save_dtype])
+                      save_dtype=SAVE_DTYPES[args.save_dtype], validator=validator)
     if args.resume:
         resumed = trainer.load_checkpoint()
         if dist.main:
@@ -60,9 +75,18 @@ def cmd_train(args) -> int:
         n = drafter.num_trainable_parameters()
         log(f"training a {drafter.config.head} drafter ({n / 1e6:.2f}M parameters) on {len(samples)} samples "
             f"for {trainer.total} steps ({trainer.steps_per_epoch} per epoch), {dist.world} process(es) on {dev}")
+        if val_samples:
+            where = args.val_data or f"held out by conversation id hash (--val-fraction {args.val_fraction})"
+            log(f"validation: {len(val_samples)} samples ({where}) every {cfg.val_every} steps; "
+                f"the best drafter by validation tau is exported")
+        else:
+            log("validation: none (no sample held out at this --val-fraction); the last step is exported")
     last = trainer.fit()
     if dist.main and last:
         log(f"done: {out} (simulated greedy tau {last['tau_greedy']:.2f}); metrics in {out / 'metrics.jsonl'}")
+    if dist.main and trainer.best.result is not None:
+        log(f"exported the best drafter by validation: step {trainer.best.step}, validation tau "
+            f"{trainer.best.result.tau:.2f}; acceptance by position in {out / 'acceptance.json'}")
     if dist.world > 1:
         torch.distributed.destroy_process_group()
     return 0
@@ -100,4 +124,13 @@ def add_parser(sub) -> None:
                    help="dtype of the exported drafter weights (default %(default)s)")
     p.add_argument("--feature-cache", default=None, help="cache target features here (fp16) for multi-epoch runs")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument("--val-fraction", type=float, default=0.05,
+                   help="hold out this fraction of the conversations for validation (by id hash, the same in "
+                        "every run; at least one; none while fraction x samples < 1) (default %(default)s)")
+    p.add_argument("--val-data", default=None,
+                   help="validate on this prepare-data directory instead of holding out part of --data")
+    p.add_argument("--val-every", type=int, default=50,
+                   help="validation interval in steps, plus the last step (default %(default)s)")
+    p.add_argument("--val-anchors", type=int, default=64,
+                   help="validation blocks per held-out sample, evenly spaced (0: all) (default %(default)s)")
     p.set_defaults(func=cmd_train)

@@ -180,8 +180,8 @@ def auto_block_size(target, drafter, context: int = 256) -> tuple[int, str]:
     source = getattr(drafter, "source_dir", None)
     acc_path = Path(source) / ACCEPTANCE_NAME if source else None
     if acc_path is None or not acc_path.exists():
-        return own, f"--block-size auto: the drafter has no {ACCEPTANCE_NAME} (write one with `bench " \
-                    f"--save-acceptance`); using its block size {own}"
+        return own, f"--block-size auto: the drafter has no {ACCEPTANCE_NAME} (`train` writes one when it " \
+                    f"validates, `bench --save-acceptance` from a live run); using its block size {own}"
     profile = load_profile(target)
     if profile is None:
         return own, ("--block-size auto: no device profile for this target, backend, dtype and thread count "

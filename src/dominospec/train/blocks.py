@@ -8,6 +8,7 @@ x_{a+k}, so every slot trains in parallel.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +51,30 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, rng: random.Random) -> torch
         cand = sorted(rng.sample(cand, n))
     return torch.tensor(cand, dtype=torch.long)
 
+
+@dataclass
+class TeacherForced:
+    """One sequence's blocks run the training way. Shapes: N blocks of B slots, H hidden, V' draft vocabulary."""
+    tokens: torch.Tensor    # [N, B] x_{a+k}: what slot k reads (slot 0: the anchor)
+    labels: torch.Tensor    # [N, B] x_{a+1+k} as target ids, IGNORE where there is none
+    z: torch.Tensor         # [N, B, H] backbone output
+    prev_emb: torch.Tensor  # [N, B, H] embeddings of tokens
+    base: torch.Tensor      # [N, B, V'] frozen LM head on z
+    final: torch.Tensor     # [N, B, V'] base + the head's teacher-forced correction
+
+
+def teacher_forced_blocks(drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                          anchors: torch.Tensor) -> TeacherForced:
+    """All blocks of one sequence in one drafter forward, the head fed the true tokens (training and validation).
+
+    features: [S, n*H] target features of the whole sequence; anchors: [N] block anchor positions.
+    """
+    tokens, labels = make_blocks(input_ids, loss_mask, anchors, drafter.config.block_size)
+    z = drafter.forward_blocks(features.unsqueeze(0), anchors, tokens[:, 0])
+    base = drafter.base_logits(z)
+    prev_emb = drafter.embed(tokens).to(z.dtype)
+    delta = drafter.head.teacher_forced(z, prev_emb, tokens)
+    return TeacherForced(tokens, labels, z, prev_emb, base, base if delta is None else base + delta)
 
 
 def simulated_tau(final_logits: torch.Tensor, labels: torch.Tensor,

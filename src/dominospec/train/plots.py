@@ -1,4 +1,4 @@
-"""training.png: losses and simulated tau over steps (optional: matplotlib may be missing)."""
+"""training.png: losses, simulated tau and validation tau over steps (optional: matplotlib may be missing)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def plot_metrics(metrics_path: Path, png: Path) -> bool:
         log_once(f"matplotlib is not installed: no {png.name} (pip install matplotlib)")
         return False
     recs = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
+    vals = [r for r in recs if r.get("kind") == "val"]
+    recs = [r for r in recs if r.get("kind") != "val"]
     if not recs:
         return False
     steps = [r["step"] for r in recs]
@@ -27,9 +29,11 @@ def plot_metrics(metrics_path: Path, png: Path) -> bool:
         if k in recs[0]:
             a.plot(steps, [r[k] for r in recs], label=k)
     a.set_xlabel("step"), a.set_ylabel("loss (per weighted slot)"), a.legend(), a.set_title("losses")
-    b.plot(steps, [r["tau_greedy"] for r in recs], label="greedy")
+    b.plot(steps, [r["tau_greedy"] for r in recs], label="train (greedy)")
     if "tau_sampled" in recs[0]:
-        b.plot(steps, [r["tau_sampled"] for r in recs], label="T=1")
+        b.plot(steps, [r["tau_sampled"] for r in recs], label="train (T=1)")
+    if vals:
+        b.plot([r["step"] for r in vals], [r["val_tau"] for r in vals], "o-", label="validation (greedy)")
     b.set_xlabel("step"), b.set_ylabel("simulated tau"), b.legend(), b.set_title("simulated tau")
     fig.tight_layout()
     with atomic_path(png) as tmp:

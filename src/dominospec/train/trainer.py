@@ -9,10 +9,15 @@ One optimiser step:
   3. the head runs teacher-forced on the true block tokens, so every slot trains in parallel;
   4. the loss is normalised by the step's total position weight over all ranks, so one process
      and N processes compute the same gradient.
+
+With a validator (validate.py), every `val_every` steps and at the end the drafter's greedy
+acceptance on held-out samples is measured; the best drafter by validation tau is what gets
+exported, with its acceptance.json.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -27,14 +32,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..decode.cost import ACCEPTANCE_NAME
 from ..drafter import Drafter
 from ..drafter.checkpoint import check_state, read_checkpoint, save_checkpoint
 from ..drafter.config import CONFIG_NAME
 from ..errors import DominoError, flag
-from ..io import atomic_path, ensure_writable_dir, exclusive_lock, write_lines_atomic
-from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau
+from ..io import atomic_path, ensure_writable_dir, exclusive_lock, write_json_atomic, write_lines_atomic
+from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau, teacher_forced_blocks
 from .distributed import Dist
 from .plots import plot_metrics
+from .validate import BestSoFar, Validator
 
 # the flag that sets each drafter config field (the rest follow from the target)
 _DRAFTER_FLAGS = {"head": "--head", "num_layers": "--layers", "block_size": "--block-size",
@@ -60,6 +67,8 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 50
     log_every: int = 5
+    val_every: int = 50           # validation interval in steps (with a validator)
+    val_anchors: int = 64         # validation blocks per held-out sample (evenly spaced; 0: all)
 
     # how often to checkpoint or log does not change the trained drafter; every other field does
     CHANGEABLE_ON_RESUME = ("save_every", "log_every")
@@ -102,12 +111,13 @@ class TrainConfig:
 class Trainer:
     def __init__(self, target, drafter: Drafter, samples: list[dict], out: Path, cfg: TrainConfig,
                  dist: Dist | None = None, feature_cache: Path | None = None, progress: bool = True,
-                 save_dtype: torch.dtype | None = None):
+                 save_dtype: torch.dtype | None = None, validator: Validator | None = None):
         self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out), cfg
         self.dist = dist or Dist()
         self.feature_cache = Path(feature_cache) if feature_cache else None
         self.progress = progress and self.dist.main
         self.save_dtype = save_dtype
+        self.validator, self.best, self.last_val = validator, BestSoFar(), None
         self.device = target.device
         self.head = drafter.head  # says what its loss needs
         self.block = drafter.config.block_size
@@ -165,7 +175,9 @@ class Trainer:
         return [result[i] for i in idx]
 
     def _cache_path(self, i: int) -> Path:
-        return self.feature_cache / f"{i:07d}.safetensors"
+        # keyed by content, not by index: another validation split or data set never reads another sample's rows
+        key = json.dumps([self.drafter.config.target_layer_ids, self.samples[i]["input_ids"]])
+        return self.feature_cache / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def _cache_read(self, i: int):
         from safetensors.torch import load_file
@@ -193,13 +205,9 @@ class Trainer:
         ids = torch.tensor(sample["input_ids"], device=self.device)
         mask = torch.tensor(sample["loss_mask"], device=self.device)
         anchors = anchors.to(self.device)
-        tokens, labels = make_blocks(ids, mask, anchors, self.block)
         d = self.drafter
-        z = d.forward_blocks(feats.unsqueeze(0), anchors, tokens[:, 0])        # [N, B, H]
-        base = d.base_logits(z)                                                # [N, B, V'], frozen head
-        prev_emb = d.embed(tokens).to(z.dtype)
-        delta = d.head.teacher_forced(z, prev_emb, tokens)
-        final = base if delta is None else base + delta
+        tf = teacher_forced_blocks(d, feats, ids, mask, anchors)
+        z, prev_emb, base, final, labels = tf.z, tf.prev_emb, tf.base, tf.final, tf.labels
         if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
             sub = d.to_draft_ids(labels.clamp_min(0))
             labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
@@ -313,7 +321,7 @@ class Trainer:
         self.drafter.save_pretrained(tmp / "drafter")
         torch.save({"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
                     "train_config": asdict(self.cfg), "num_samples": len(self.samples),
-                    "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+                    "torch_rng": torch.get_rng_state(), "best": self.best.state_dict()}, tmp / "trainer.pt")
         old = self.out / "train_state.old"
         if self.state_dir.exists():
             os.replace(self.state_dir, old)
@@ -353,6 +361,7 @@ class Trainer:
         self.sched.load_state_dict(st["sched"])
         self.step = st["step"]
         torch.set_rng_state(st["torch_rng"].cpu())
+        self.best.load_state_dict(st.get("best"))
         return True
 
     # ----- the loop -----
@@ -392,10 +401,15 @@ class Trainer:
             if self.dist.main:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
+            if self.validator is not None and (self.step % self.cfg.val_every == 0 or self.step == self.total):
+                val = self.validate()
+                if self.dist.main:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(val) + "\n")
             if bar:
                 bar.update(1)
                 if self.step % self.cfg.log_every == 0 or self.step == self.total:
-                    bar.set_postfix_str(_postfix(rec))
+                    bar.set_postfix_str(_postfix(rec, self.last_val))
             if self.step % self.cfg.save_every == 0 or self.step == self.total:
                 self.save_checkpoint()
             if on_step is not None:
@@ -407,20 +421,32 @@ class Trainer:
             plot_metrics(metrics_path, self.out / "training.png")
         return last
 
+    def validate(self) -> dict:
+        """Measure the held-out acceptance now, keep the drafter if it is the best so far; the metrics record."""
+        res = self.last_val = self.validator.evaluate(self.drafter, self.dist)
+        self.best.offer(self.step, res, self.drafter)
+        return {"kind": "val", "step": self.step, "val_tau": res.tau, "val_accept": res.conditional,
+                "val_blocks": res.blocks, "best_step": self.best.step}
+
     def export(self) -> None:
-        """The trained drafter itself: config.json + model.safetensors in --out."""
-        state = self.drafter.state_dict()
+        """The trained drafter itself: config.json + model.safetensors in --out; with validation, the
+        best drafter by validation tau and its acceptance.json (the in-memory drafter stays the last)."""
+        state = self.drafter.state_dict() if self.best.state is None else self.best.state
         if self.save_dtype is not None:
             state = {k: v.to(self.save_dtype) if v.is_floating_point() else v for k, v in state.items()}
         save_checkpoint(self.drafter.config, state, self.out)
+        if self.best.result is not None:
+            write_json_atomic(self.out / ACCEPTANCE_NAME, self.best.acceptance(), indent=2)
 
 
-def _postfix(rec: dict) -> str:
+def _postfix(rec: dict, val=None) -> str:
     parts = [f"{k}={rec[k]:.3f}" for k in ("ce_final", "ce_base", "ce", "l1", "bce") if k in rec]
     if "lambda" in rec:
         parts.append(f"λ={rec['lambda']:.2f}")
     parts.append(f"tau={rec['tau_greedy']:.2f}")
     if "tau_sampled" in rec:
         parts.append(f"tauT1={rec['tau_sampled']:.2f}")
+    if val is not None:
+        parts.append(f"val_tau={val.tau:.2f}")
     parts.append(f"{rec.get('tokens_per_s', 0):.0f} tok/s")
     return " ".join(parts)

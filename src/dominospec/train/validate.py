@@ -1,0 +1,206 @@
+"""Validation during training: a held-out split, teacher-forced acceptance, the best checkpoint.
+
+The benchmark measures tokens per cycle (tau) and the conditional acceptance by block position
+of live greedy decoding. Here they are estimated without decoding: supervised anchors of each
+held-out sample (all of them, or a fixed evenly spaced subset) make one block each, run exactly
+as training runs them (`blocks.teacher_forced_blocks`), and slot k counts as accepted when its
+argmax is the true next token and every slot before it was accepted too. At the anchors a live
+greedy run visits, these hits equal its accepted counts cycle by cycle (tests/test_audit.py
+replays one), so the estimate differs from the benchmark only in which anchors are visited and
+in the data (sampled answers here, greedy ones there).
+
+The split is by conversation: a sample is held out when the hash of its conversation id
+("<source>:<index>", the part before any "/<turn>") falls below the fraction. It depends on the
+id alone, so it is the same in every run and on every rank, and the parts of one conversation
+never land on both sides. At least one conversation is held out, and none while fraction x
+samples < 1 (the default 0.05 starts validating at 20 samples).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..decode.cost import expected_tokens
+from ..errors import DominoError
+from .blocks import IGNORE, TeacherForced, anchor_candidates, teacher_forced_blocks
+from .distributed import Dist
+
+ANCHOR_CHUNK = 64                # blocks per drafter forward: bounds the [N, B, V] logits in memory
+
+
+# ----- the split -----
+
+def conversation_of(sample: dict) -> str:
+    return str(sample.get("id", sample["input_ids"])).split("/")[0]
+
+
+def held_out_score(conversation: str) -> float:
+    """A stable number in [0, 1) per conversation id."""
+    return int.from_bytes(hashlib.sha256(conversation.encode()).digest()[:8], "big") / 2 ** 64
+
+
+def split_validation(samples: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """(training, validation) samples: conversations whose score is below `fraction` are held out."""
+    if not 0 <= fraction < 1:
+        raise DominoError(f"--val-fraction must be in [0, 1), got {fraction}")
+    if fraction * len(samples) < 1:
+        return list(samples), []
+    score = {c: held_out_score(c) for c in {conversation_of(s) for s in samples}}
+    held = {c for c, x in score.items() if x < fraction} or {min(score, key=score.get)}
+    train = [s for s in samples if conversation_of(s) not in held]
+    val = [s for s in samples if conversation_of(s) in held]
+    if not train:
+        raise DominoError(f"--val-fraction {fraction} holds out all {len(samples)} samples; lower it")
+    return train, val
+
+
+def shared_sequences(train: list[dict], val: list[dict]) -> int:
+    """How many validation samples are token for token a training sample (a separate --val-data may overlap)."""
+    seen = {tuple(s["input_ids"]) for s in train}
+    return sum(tuple(s["input_ids"]) in seen for s in val)
+
+
+# ----- counting acceptance -----
+
+def validation_anchors(loss_mask: torch.Tensor, cap: int) -> torch.Tensor:
+    """All anchor candidates, or `cap` of them evenly spaced (the same ones at every evaluation)."""
+    cand = anchor_candidates(loss_mask)
+    n = cand.shape[0]
+    if cap <= 0 or n <= cap:
+        return cand
+    if cap == 1:
+        return cand[:1]
+    return cand[torch.tensor([i * (n - 1) // (cap - 1) for i in range(cap)])]
+
+
+def greedy_hits(drafter, tf: TeacherForced) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hit, has_label), both [N, B]: slot k's greedy draft equals x_{a+1+k}; slot k has a true token.
+
+    A label outside a draft vocabulary is a miss (the drafter cannot propose it), not a missing label.
+    """
+    has_label = tf.labels != IGNORE
+    hit = (drafter.to_target_ids(tf.final.argmax(-1)) == tf.labels) & has_label
+    return hit, has_label
+
+
+def accepted_lengths(hit: torch.Tensor) -> torch.Tensor:
+    """[N]: how many leading slots of each block hit, i.e. the drafts a greedy verify would accept."""
+    return hit.long().cumprod(-1).sum(-1)
+
+
+def acceptance_counts(hit: torch.Tensor, has_label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(judged [B], passed [B]): slot k is judged when every slot before it hit and it has a label."""
+    reached = torch.cat([torch.ones_like(hit[:, :1]), hit[:, :-1].long().cumprod(-1).bool()], dim=1)
+    judged = reached & has_label
+    return judged.sum(0), (judged & hit).sum(0)
+
+
+@dataclass
+class ValResult:
+    judged: list[int]   # per block position k = 1..B: blocks whose drafts 1..k-1 were all accepted
+    passed: list[int]   # ... of which draft k was accepted too
+    samples: int = 0    # held-out samples measured
+
+    @property
+    def conditional(self) -> list[float | None]:
+        """P(accept k | 1..k-1 accepted); None where no block reached position k."""
+        return [p / j if j else None for j, p in zip(self.judged, self.passed)]
+
+    @property
+    def tau(self) -> float:
+        """Expected tokens per cycle at the full block: 1 + sum_k prod_{i<=k} p_i (bonus included)."""
+        return expected_tokens([p or 0.0 for p in self.conditional], len(self.judged))
+
+    @property
+    def blocks(self) -> int:
+        return self.judged[0] if self.judged else 0
+
+
+# ----- the evaluation -----
+
+def sequence_features(target, seqs: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[torch.Tensor]:
+    """Feature-layer states [S_i, n*H] of each sequence, from one right-padded batch through the target."""
+    lens = [len(s) for s in seqs]
+    ids = torch.zeros(len(seqs), max(lens), dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, :lens[r]] = torch.tensor(list(s))
+        att[r, :lens[r]] = 1
+    feats, _ = target.batch_features(ids.to(target.device), att.to(target.device), layer_ids=layer_ids)
+    return [feats[r, :n] for r, n in enumerate(lens)]
+
+
+class Validator:
+    """Greedy acceptance of a drafter on held-out samples, measured the training way."""
+
+    def __init__(self, target, samples: list[dict], max_anchors: int = 64, batch_size: int = 8):
+        if not samples:
+            raise DominoError("validation needs at least one sample")
+        self.target, self.samples, self.batch_size = target, samples, max(1, batch_size)
+        self.anchors = [validation_anchors(torch.tensor(s["loss_mask"]), max_anchors) for s in samples]
+
+    @torch.no_grad()
+    def evaluate(self, drafter, dist: Dist | None = None) -> ValResult:
+        """Counts over this rank's share of the samples, summed over ranks: every rank gets the same result."""
+        dist = dist or Dist()
+        dev = self.target.device
+        counts = torch.zeros(2, drafter.config.block_size, dtype=torch.float64, device=dev)
+        mine = [i for i in range(dist.rank, len(self.samples), dist.world) if self.anchors[i].numel()]
+        for lo in range(0, len(mine), self.batch_size):
+            chunk = mine[lo:lo + self.batch_size]
+            feats = sequence_features(self.target, [self.samples[i]["input_ids"] for i in chunk],
+                                      drafter.config.target_layer_ids)
+            for i, f in zip(chunk, feats):
+                ids = torch.tensor(self.samples[i]["input_ids"], device=dev)
+                mask = torch.tensor(self.samples[i]["loss_mask"], device=dev)
+                for part in self.anchors[i].to(dev).split(ANCHOR_CHUNK):
+                    tf = teacher_forced_blocks(drafter, f, ids, mask, part)
+                    judged, passed = acceptance_counts(*greedy_hits(drafter, tf))
+                    counts[0] += judged.to(counts.dtype)
+                    counts[1] += passed.to(counts.dtype)
+        counts = dist.all_sum(counts)
+        return ValResult([int(x) for x in counts[0].tolist()], [int(x) for x in counts[1].tolist()], len(self.samples))
+
+
+class BestSoFar:
+    """The drafter weights with the highest validation tau so far (the earliest on ties).
+
+    Lives in the training checkpoint, so a resumed run keeps it; the trainer exports it.
+    """
+
+    def __init__(self):
+        self.step: int | None = None
+        self.result: ValResult | None = None
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def offer(self, step: int, result: ValResult, drafter) -> bool:
+        if self.result is not None and result.tau <= self.result.tau:
+            return False
+        self.step, self.result = step, result
+        self.state = {k: v.detach().to("cpu", copy=True) for k, v in drafter.state_dict().items()}
+        return True
+
+    def state_dict(self) -> dict | None:
+        if self.result is None:
+            return None
+        return {"step": self.step, "judged": self.result.judged, "passed": self.result.passed,
+                "samples": self.result.samples, "state": self.state}
+
+    def load_state_dict(self, d: dict | None) -> None:
+        if d is None:
+            self.__init__()
+            return
+        self.step, self.state = d["step"], d["state"]
+        self.result = ValResult(d["judged"], d["passed"], d["samples"])
+
+    def acceptance(self) -> dict:
+        """What acceptance.json holds (decode/cost.py ACCEPTANCE_NAME; --block-size auto reads "conditional")."""
+        r = self.result
+        return {"conditional": [p or 0.0 for p in r.conditional], "tau": r.tau,
+                "measured_by": "train validation", "step": self.step, "blocks": r.blocks,
+                "judged": r.judged, "samples": r.samples,
+                "note": "greedy, teacher-forced at held-out anchors of the training data's answers"}
