@@ -210,6 +210,7 @@ def test_sampled_answers_keep_their_end_of_turn_token(monkeypatch):
 class ScriptedTarget:
     """Answers each turn with fixed tokens ending in EOS (63)."""
     eos_ids = (63,)
+    max_positions = None  # no context limit: nothing is cut
 
     def __init__(self, answers):
         self.answers = list(answers)
