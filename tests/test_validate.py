@@ -219,9 +219,9 @@ def test_training_plot_draws_validation(tmp_path):
 
 # ----- the command line -----
 
-def write_data_dir(path, samples, vocab):
+def write_data_dir(path, samples, vocab, target="tiny"):
     path.mkdir()
-    (path / "meta.json").write_text(json.dumps({"format": "dominospec-data/1", "target": "tiny", "vocab_size": vocab,
+    (path / "meta.json").write_text(json.dumps({"format": "dominospec-data/1", "target": target, "vocab_size": vocab,
                                                 "complete": True}))
     (path / "samples-00000.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
 
@@ -236,7 +236,7 @@ def test_cli_train_validates_exports_the_best_and_writes_acceptance(tmp_path, ca
     rng = random.Random(0)
     samples = [{"id": f"t:{i}", "input_ids": [rng.randrange(1, 63) for _ in range(14)], "loss_mask": [0] * 4 + [1] * 10}
                for i in range(10)]
-    write_data_dir(tmp_path / "data", samples, 64)
+    write_data_dir(tmp_path / "data", samples, 64, target=str(tmp_path / "target"))
     common = ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--layers", "1",
               "--block-size", "3", "--intermediate-size", "32", "--gru-hidden-size", "8", "--rank", "4",
               "--max-steps", "3", "--batch-size", "2", "--anchors", "4", "--val-every", "2"]
@@ -250,7 +250,7 @@ def test_cli_train_validates_exports_the_best_and_writes_acceptance(tmp_path, ca
     acc = json.loads((tmp_path / "split" / "acceptance.json").read_text())
     assert len(acc["conditional"]) == 3 and acc["measured_by"] == "train validation" and acc["samples"] == len(held)
     # a separate validation directory; these samples overlap the training data, which is reported
-    write_data_dir(tmp_path / "val", samples[:2], 64)
+    write_data_dir(tmp_path / "val", samples[:2], 64, target=str(tmp_path / "target"))
     assert main(common + ["--out", str(tmp_path / "sep"), "--val-data", str(tmp_path / "val")]) == 0
     err = capsys.readouterr().err
     assert f"validation: 2 samples ({tmp_path / 'val'})" in err and "2 of the 2 samples" in err

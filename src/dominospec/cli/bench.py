@@ -17,7 +17,8 @@ def cmd_bench(args) -> int:
     if not args.prompts and not args.profile:
         raise DominoError("nothing to do: give --prompts FILE.jsonl (one or more), --profile, or both")
     # arguments and the output directory first: nothing is loaded or run before they are sound
-    require_at_least(args, 1, "max_new_tokens", "limit", "context", "max_k", "repeats")
+    require_at_least(args, 1, "max_new_tokens", "limit", "context", "max_k", "repeats",
+                     *(["block_size"] if args.block_size != "auto" else []))
     groups = parse_methods(args.methods)
     for p in args.prompts:
         check_prompt_file(p)

@@ -81,12 +81,9 @@ def block_size_arg(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        value = int(text)
+        return int(text)  # its range is checked with the other numbers (require_at_least)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def warn_if_reduced_precision(target) -> None:

@@ -18,7 +18,7 @@ def cmd_generate(args) -> int:
     # arguments first: a mistake is reported before any model loads
     if not args.prompt.strip():
         raise DominoError("PROMPT is empty: give the message to answer, e.g. dominospec generate \"Hello\"")
-    require_at_least(args, 1, "max_new_tokens")  # --block-size is checked by its argument type
+    require_at_least(args, 1, "max_new_tokens", *(["block_size"] if args.block_size != "auto" else []))
     sampling = sampling_from_args(args)
     target = target_from_args(args)
     drafter = resolve_drafter(target, args.drafter, args.no_draft)
