@@ -15,7 +15,7 @@ from dominospec.data.prepare import ChatCodec, PrepareConfig, regenerate_batch
 from dominospec.data.prompts import Conversation
 from dominospec.train.blocks import IGNORE, anchor_candidates, make_blocks, teacher_forced_blocks
 from dominospec.train.trainer import TrainConfig, Trainer
-from dominospec.train.validate import accepted_lengths, greedy_hits, sequence_features
+from dominospec.train.validate import accepted_lengths, greedy_hits
 
 B = 4
 
@@ -66,7 +66,7 @@ def test_tokens_from_a_slots_label_on_never_reach_it(qwen3_target):
     a = 7
 
     def final(s):
-        feats = sequence_features(target, [s, partner], d.config.target_layer_ids)[0]
+        feats = target.sequence_features([s, partner], d.config.target_layer_ids)[0][0]
         with torch.no_grad():
             return teacher_forced_blocks(d, feats, torch.tensor(s), torch.ones(len(s)), torch.tensor([a])).final[0]
 
@@ -185,7 +185,7 @@ def test_feature_layers_are_decoder_layer_outputs_in_training_and_decoding(backe
              for lo, hi in ((0, 6), (6, 11), (11, 12), (12, 15))]
     assert torch.allclose(torch.cat(parts), want, atol=1e-9)
     # training pass: right-padded batch (the trainer's and the validator's layout)
-    got = sequence_features(target, [short, seq], layers)
+    got = target.sequence_features([short, seq], layers)[0]
     assert torch.allclose(got[1], want, atol=1e-9)
     assert torch.allclose(got[0], torch.cat([decoder_layer_outputs(target.model, short)[j] for j in layers], -1),
                           atol=1e-9)
@@ -280,14 +280,14 @@ def test_teacher_forced_replay_equals_live_greedy_acceptance(head, draft_vocab, 
         mask = torch.tensor([0] * len(prompt) + [1] * len(res.tokens))
         # the last cycles may have accepted drafts past the output's end, which the replay cannot see
         seen = [min(n, len(seq) - 1 - a) for n, a in zip(res.accepted, anchors)]
-        feats = sequence_features(target, [seq], layers)[0]
+        feats = target.sequence_features([seq], layers)[0][0]
         with torch.no_grad():
             tf = teacher_forced_blocks(d, feats, torch.tensor(seq), mask, torch.tensor(anchors))
             hit, _ = greedy_hits(d, tf)
             assert accepted_lengths(hit).tolist() == seen
             # the live drafts as the "true" tokens after each anchor: every slot must propose them
             own = [seq[:anchors[i] + 1] + drafts[i] for i in range(res.cycles)]
-            own_feats = sequence_features(target, own, layers)
+            own_feats = target.sequence_features(own, layers)[0]
             for i, (s, f) in enumerate(zip(own, own_feats)):
                 tf = teacher_forced_blocks(d, f, torch.tensor(s), torch.ones(len(s)), torch.tensor([anchors[i]]))
                 assert d.to_target_ids(tf.final[0].argmax(-1)).tolist() == drafts[i], i

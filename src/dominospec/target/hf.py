@@ -191,14 +191,26 @@ class Target:
             feats = torch.cat([hs[i + 1] for i in layers], dim=-1)
         return TargetOutput(out.logits, feats)
 
-    @torch.inference_mode()
-    def batch_features(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       layer_ids: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """No-cache batched forward for training: (features [N,S,n*H], post-norm final hidden [N,S,H])."""
-        out = self.model(input_ids=ids, attention_mask=attention_mask, use_cache=False,
+    @torch.no_grad()  # not inference_mode: the trainer feeds these rows to a drafter under autograd
+    def sequence_features(self, seqs: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None
+                          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """No-cache batched forward for training and validation, one right-padded batch.
+
+        Returns, per sequence, its feature-layer states [S_i, n*H] and its post-norm final hidden
+        states [S_i, H] (what the frozen LM head reads), each its own tensor.
+        """
+        lens = [len(s) for s in seqs]
+        ids = torch.zeros(len(seqs), max(lens), dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for r, s in enumerate(seqs):
+            ids[r, :lens[r]] = torch.tensor(list(s))
+            att[r, :lens[r]] = 1
+        out = self.model(input_ids=ids.to(self.device), attention_mask=att.to(self.device), use_cache=False,
                          output_hidden_states=True, logits_to_keep=1)
         hs = out.hidden_states
-        return torch.cat([hs[i + 1] for i in (layer_ids or self.layer_ids)], dim=-1), hs[-1]
+        feats = torch.cat([hs[i + 1] for i in (layer_ids or self.layer_ids)], dim=-1)  # [N, S, n*H]
+        return ([feats[r, :n].clone() for r, n in enumerate(lens)],
+                [hs[-1][r, :n].clone() for r, n in enumerate(lens)])
 
     # ----- transformers' own generate: benchmark baselines and data making -----
     def hf_generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,

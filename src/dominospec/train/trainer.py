@@ -158,17 +158,10 @@ class Trainer:
             else:
                 todo.append(i)
         if todo:
-            lens = [len(self.samples[i]["input_ids"]) for i in todo]
-            width = max(lens)
-            ids = torch.zeros(len(todo), width, dtype=torch.long)
-            att = torch.zeros(len(todo), width, dtype=torch.long)
+            feats, final = self.target.sequence_features([self.samples[i]["input_ids"] for i in todo],
+                                                         self.drafter.config.target_layer_ids)
             for r, i in enumerate(todo):
-                ids[r, :lens[r]] = torch.tensor(self.samples[i]["input_ids"])
-                att[r, :lens[r]] = 1
-            feats, final = self.target.batch_features(ids.to(self.device), att.to(self.device),
-                                                      layer_ids=self.drafter.config.target_layer_ids)
-            for r, i in enumerate(todo):
-                item = (feats[r, :lens[r]].clone(), final[r, :lens[r]].clone() if need_final else None)
+                item = (feats[r], final[r] if need_final else None)
                 result[i] = item
                 if self.feature_cache:
                     self._cache_write(i, item)

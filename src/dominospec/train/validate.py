@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -122,18 +121,6 @@ class ValResult:
 
 # ----- the evaluation -----
 
-def sequence_features(target, seqs: Sequence[Sequence[int]], layer_ids: Sequence[int]) -> list[torch.Tensor]:
-    """Feature-layer states [S_i, n*H] of each sequence, from one right-padded batch through the target."""
-    lens = [len(s) for s in seqs]
-    ids = torch.zeros(len(seqs), max(lens), dtype=torch.long)
-    att = torch.zeros_like(ids)
-    for r, s in enumerate(seqs):
-        ids[r, :lens[r]] = torch.tensor(list(s))
-        att[r, :lens[r]] = 1
-    feats, _ = target.batch_features(ids.to(target.device), att.to(target.device), layer_ids=layer_ids)
-    return [feats[r, :n] for r, n in enumerate(lens)]
-
-
 class Validator:
     """Greedy acceptance of a drafter on held-out samples, measured the training way."""
 
@@ -152,8 +139,8 @@ class Validator:
         mine = [i for i in range(dist.rank, len(self.samples), dist.world) if self.anchors[i].numel()]
         for lo in range(0, len(mine), self.batch_size):
             chunk = mine[lo:lo + self.batch_size]
-            feats = sequence_features(self.target, [self.samples[i]["input_ids"] for i in chunk],
-                                      drafter.config.target_layer_ids)
+            feats, _ = self.target.sequence_features([self.samples[i]["input_ids"] for i in chunk],
+                                                     drafter.config.target_layer_ids)
             for i, f in zip(chunk, feats):
                 ids = torch.tensor(self.samples[i]["input_ids"], device=dev)
                 mask = torch.tensor(self.samples[i]["loss_mask"], device=dev)
