@@ -247,3 +247,47 @@ def test_native_batched_sampling_matches_single_sequences():
     b = target.sample_batch([prompts[0], [11, 12]], 12, temperature=1.0, top_p=0.9, seed=3)
     assert a[0] == b[0] and all(len(x) <= 12 and (len(x) == 12 or x[-1] == eos) for x in a)
     assert a != target.sample_batch(prompts, 12, temperature=1.0, top_p=0.9, seed=4)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.8), (1.0, 50, 1.0), (1.0, 50, 0.9), (1.3, 0, 0.95)])
+def test_candidate_probs_are_warp_probs_exactly(temperature, top_k, top_p):
+    """Protects: the data sampler's fast path (top-p/top-k over the top candidates only) keeps warp_probs'
+    distribution: the same shares on every token, or a refusal (None) that sends the row to the full path."""
+    from dominospec.sampling import SamplingConfig, candidate_probs, warp_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000) * 4
+    s = SamplingConfig(temperature, top_k, top_p)
+    fast = candidate_probs(logits, s, k=256)
+    assert fast is not None
+    probs, idx = fast
+    dense = torch.zeros(6, 1000).scatter_(-1, idx, probs)
+    torch.testing.assert_close(dense / dense.sum(-1, keepdim=True), warp_probs(logits, s), atol=1e-6, rtol=1e-5)
+
+
+def test_candidate_probs_refuse_when_the_tail_could_survive():
+    from dominospec.sampling import SamplingConfig, candidate_probs
+
+    flat = torch.zeros(2, 1000)
+    assert candidate_probs(flat, SamplingConfig(1.0, 0, 0.9), k=256) is None  # 256 tokens hold 26% < 90%
+    assert candidate_probs(torch.randn(2, 1000), SamplingConfig(1.0, 300, 1.0), k=256) is None  # top-k past k
+    assert candidate_probs(torch.randn(2, 1000), SamplingConfig(1.0, 0, 1.0), k=256) is None  # no tail cut
+    ties = torch.zeros(1, 1000)
+    ties[0, :3] = 5.0
+    assert candidate_probs(ties, SamplingConfig(1.0, 10, 1.0), k=256) is None  # ties at the 10th run past k
+
+
+def test_sample_rows_draws_from_the_warped_distribution():
+    """Each row from its own generator, frequencies within 4 sigma of warp_probs (fast path, k = V here)."""
+    from dominospec.sampling import SamplingConfig, sample_rows, warp_probs
+
+    torch.manual_seed(1)
+    row = torch.randn(40) * 2
+    s = SamplingConfig(0.8, 0, 0.9)
+    n = 3000
+    picks = sample_rows(row.expand(n, -1), s, [torch.Generator().manual_seed(i) for i in range(n)])
+    p = warp_probs(row[None], s)[0]
+    freq = torch.bincount(torch.tensor(picks), minlength=40).double() / n
+    assert float(freq[p == 0].sum()) == 0.0  # nothing outside the nucleus
+    sigma = (p * (1 - p) / n).sqrt()
+    assert bool(((freq - p).abs() <= 4 * sigma + 1e-9).all()), (freq, p)

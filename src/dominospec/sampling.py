@@ -60,6 +60,58 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+CANDIDATES = 256  # tokens the fast path of sample_rows looks at
+
+
+def sample_rows(logits: torch.Tensor, s: SamplingConfig, gens: list) -> list[int]:
+    """One token per row of logits [R, V], row r drawn with gens[r], from exactly warp_probs' distribution."""
+    if s.greedy:
+        return logits.argmax(-1).tolist()
+    fast = candidate_probs(logits, s)
+    if fast is None:
+        return _sample_rows_dense(logits, s, gens)
+    probs, idx = fast
+    return [int(idx[r, torch.multinomial(probs[r], 1, generator=g)]) for r, g in enumerate(gens)]
+
+
+def candidate_probs(logits: torch.Tensor, s: SamplingConfig, k: int = CANDIDATES):
+    """warp_probs restricted to each row's top k tokens: (probs [R, k], token ids [R, k]), or None.
+
+    Sorting the whole vocabulary for top-p costs more than a batched decode step; but a token
+    outside the top k can only survive top-p when those hold less than top_p of the mass (or
+    top-k when top_k >= k, or ties at the k-th logit). None when any row is in such a case: the
+    caller then takes the full path. Otherwise the (unnormalised) shares are warp_probs' exactly.
+    """
+    x = logits.float() / s.temperature
+    V = x.shape[-1]
+    k = min(k, V)
+    vals, idx = torch.topk(x, k, dim=-1)  # [R, k], descending
+    if s.top_k and s.top_k < V:
+        if s.top_k >= k:
+            return None
+        kth = vals[:, s.top_k - 1:s.top_k]
+        if k < V and bool((vals[:, -1:] >= kth).any()):  # ties with the k-th run past the candidates
+            return None
+        vals = vals.masked_fill(vals < kth, float("-inf"))
+        total = torch.logsumexp(vals, dim=-1, keepdim=True)  # the top-k set lies inside the candidates
+    else:
+        if k < V and s.top_p >= 1.0:  # nothing cuts the tail
+            return None
+        total = torch.logsumexp(x, dim=-1, keepdim=True)
+    probs = torch.exp(vals - total)  # [R, k]: each candidate's share of the whole (top-k-masked) row
+    if s.top_p < 1.0:
+        if k < V and bool((probs.sum(-1) < s.top_p).any()):
+            return None
+        before = probs.cumsum(-1) - probs  # mass strictly above each token
+        probs = probs.masked_fill(before >= s.top_p, 0.0)
+    return probs, idx
+
+
+def _sample_rows_dense(logits: torch.Tensor, s: SamplingConfig, gens: list) -> list[int]:
+    probs = warp_probs(logits, s)
+    return [int(torch.multinomial(probs[r], 1, generator=g)) for r, g in enumerate(gens)]
+
+
 def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """drafts [b], target_logits [b+1, V] -> (accepted count, the target's next token)."""
     choice = target_logits.argmax(-1)  # [b+1]

@@ -10,7 +10,7 @@ from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
 from ..train.distributed import init_distributed
-from ..train.samples import draft_vocab_coverage, fresh_drafter, validate_samples
+from ..train.samples import draft_vocab_coverage, fresh_drafter, init_from_target_layer, validate_samples
 from ..train.trainer import TrainConfig, Trainer
 from ..train.validate import Validator, shared_sequences, split_validation
 from .common import add_arch_args, add_target_args, arch_from_args, check_arch_args, require_at_least, target_from_args
@@ -21,7 +21,7 @@ SAVE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bflo
 def cmd_train(args) -> int:
     # every number and the output locations are checked before the target or the data load
     cfg = TrainConfig(max_steps=args.max_steps, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
-                      lr=args.lr, gamma=args.gamma, lambda_start=args.lambda_start, lambda_decay=args.lambda_decay,
+                      lr=args.lr, distill=args.distill, gamma=args.gamma, lambda_start=args.lambda_start, lambda_decay=args.lambda_decay,
                       max_seq_len=args.max_seq_len, seed=args.seed, save_every=args.save_every,
                       val_every=args.val_every, val_anchors=args.val_anchors)
     check_arch_args(args)
@@ -50,16 +50,21 @@ def cmd_train(args) -> int:
     if (out / "train_state").exists() and not args.resume:
         raise DominoError(f"{out} already holds a training checkpoint; pass --resume to continue it "
                           f"or choose another --out")
+    if args.init and args.init_from_layer is not None:
+        raise DominoError("--init-from-layer starts a fresh drafter; it cannot be combined with --init")
     if args.init:
         drafter = Drafter.from_pretrained(args.init, target=target)
     else:
         drafter = fresh_drafter(target, samples, arch_from_args(args, target), args.draft_vocab, args.seed)
+        if args.init_from_layer is not None:
+            copied = init_from_target_layer(drafter, target, args.init_from_layer)
+            log(f"draft layers start from target layer(s) {args.init_from_layer}..: {len(copied)} weights copied")
         if args.draft_vocab and dist.main:
             log(f"draft vocabulary: {args.draft_vocab} tokens cover {draft_vocab_coverage(drafter, samples):.1%} "
                 f"of the supervised training tokens")
     if cache and dist.main:
         tokens = sum(len(s["input_ids"]) for s in samples)
-        rows = len(drafter.config.target_layer_ids) + drafter.head.needs_target_probs  # + final hidden
+        rows = len(drafter.config.target_layer_ids) + (drafter.head.needs_target_probs or cfg.distill > 0)  # + final
         per_token = 2 * target.hidden_size * rows
         log(f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
             f"(fp16, {len(drafter.config.target_layer_ids)} layers)")
@@ -110,7 +115,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-steps", type=int, default=0, help="optimiser steps (default: from --epochs)")
     p.add_argument("--epochs", type=float, default=1.0, help="default %(default)s")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step, all processes (default %(default)s)")
-    p.add_argument("--anchors", type=int, default=32, help="blocks per sequence (default %(default)s)")
+    p.add_argument("--anchors", type=int, default=32,
+                   help="blocks per sequence, drawn anew each step; 0: every supervised position (default %(default)s)")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight in [0, 1] of the soft-label loss, KL(target || draft) at each block slot on the draft "
+                        "vocabulary, mixed with the head's own loss (default %(default)s: token CE only)")
+    p.add_argument("--init-from-layer", type=int, default=None, metavar="J",
+                   help="start the draft layer(s) from the target's decoder layers J, J+1, ... (fresh drafters only)")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default %(default)s)")
     p.add_argument("--gamma", type=float, default=None, help="position-decay constant (default 7*block/16)")
     p.add_argument("--lambda-start", type=float, default=1.0, help="domino curriculum start (default %(default)s)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingConfig, warp_probs
+from ..sampling import SamplingConfig, sample_rows
 
 
 @torch.inference_mode()
@@ -66,30 +66,31 @@ def native_sample_batch(target, prompts: list[list[int]], max_new_tokens: int, t
                         top_p: float = 0.8, top_k: int = 0, seed: int = 0) -> list[list[int]]:
     native, dev = target.native, target.device
     sampling = SamplingConfig(temperature, top_k, top_p)
-    lens = [len(p) for p in prompts]
-    ids = torch.zeros(len(prompts), max(lens), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p)  # right padding: row i's real tokens start at position 0
-    cache = native.new_cache(batch=len(prompts), max_len=max(lens) + max_new_tokens + 1)
-    logits, _ = native(ids.to(dev), cache, num_new=lens, logits="last")  # [B, V]
+    cache = native.new_cache(batch=len(prompts), max_len=max(len(p) for p in prompts) + max_new_tokens + 1)
+    last = []
+    for b, p in enumerate(prompts):  # each prompt prefilled alone: no compute spent on padding
+        row = cache.row(b)
+        logits, _ = native(torch.tensor([p], device=dev), row, logits="last")  # [1, V]
+        cache.set_length(b, row.length())
+        last.append(logits)
+    logits = torch.cat(last)  # [B, V]
     gens = [torch.Generator(device=dev).manual_seed((seed + 7919 * i) % 2**63) for i in range(len(prompts))]
     eos = set(target.eos_ids)
     answers: list[list[int]] = [[] for _ in prompts]
-    rows = list(range(len(prompts)))  # prompt index of each live cache row
+    rows = list(range(len(prompts)))  # prompt index of each cache row (finished ones until dropped)
+    done: set[int] = set()
     for _ in range(max_new_tokens):
-        if sampling.greedy:
-            picks = logits.argmax(-1).tolist()
-        else:
-            probs = warp_probs(logits, sampling)  # [rows, V]
-            picks = [int(torch.multinomial(probs[r], 1, generator=gens[i])) for r, i in enumerate(rows)]
-        alive = []
+        picks = sample_rows(logits, sampling, [gens[i] for i in rows])
         for r, (i, t) in enumerate(zip(rows, picks)):
-            answers[i].append(t)
-            if t not in eos:
-                alive.append(r)
-        if not alive:
+            if i not in done:
+                answers[i].append(t)
+                if t in eos:
+                    done.add(i)
+        if len(done) == len(prompts):
             break
-        if len(alive) < len(rows):  # finished rows leave the batch: no compute spent on them
+        alive = [r for r, i in enumerate(rows) if i not in done]
+        if len(rows) - len(alive) >= max(1, len(rows) // 4):
+            # finished rows leave the batch, a quarter at a time: dropping a row copies the whole cache
             cache.keep_rows(alive)
             rows = [rows[r] for r in alive]
             picks = [picks[r] for r in alive]

@@ -137,6 +137,29 @@ class Target:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
 
+    # the weights of decoder layer j under family-neutral names (for initialising a draft layer)
+    LAYER_WEIGHTS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
+                     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+                     "o_proj": "self_attn.o_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
+                     "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+
+    def decoder_layer_weights(self, j: int) -> dict[str, torch.Tensor]:
+        """Decoder layer j's weights, {neutral name: tensor}; modules the family lacks (q/k norm) are absent."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if layers is None:
+            raise DominoError(f"target {self.name!r} ({self.arch}) has no Llama-style decoder layers to copy")
+        if not 0 <= j < len(layers):
+            raise DominoError(f"--init-from-layer {j} is out of range: the target has layers 0..{len(layers) - 1}")
+        out = {}
+        for name, path in self.LAYER_WEIGHTS.items():
+            module = layers[j]
+            for part in path.split("."):
+                module = getattr(module, part, None)
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                out[name] = weight.detach()
+        return out
+
     # ----- cache -----
     def new_cache(self, max_len: int = 1024):
         """An empty batch-1 cache; `max_len` is a size hint (the native cache grows when needed)."""

@@ -177,6 +177,17 @@ class KVCache:
     def reset(self) -> None:
         self.lengths = [0] * self.batch
 
+    def row(self, b: int) -> "KVCache":
+        """Row b as a batch-1 cache on the same storage: a prompt can be prefilled alone, unpadded.
+
+        Writes through the view land in this cache; copy its length back afterwards (set_length).
+        The view must not grow (size this cache for the prompt first).
+        """
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = self.k[:, b: b + 1], self.v[:, b: b + 1]
+        view.lengths = [self.lengths[b]]
+        return view
+
     def ensure(self, needed: int) -> None:
         """Grow (doubling) so that `needed` positions fit; rare path, copies the old buffers."""
         if needed <= self.max_len:

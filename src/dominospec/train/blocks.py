@@ -46,8 +46,9 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
 
 
 def sample_anchors(loss_mask: torch.Tensor, n: int, rng: random.Random) -> torch.Tensor:
+    """n anchors drawn without replacement from the candidates (all of them when n is 0 or covers them)."""
     cand = anchor_candidates(loss_mask).tolist()
-    if len(cand) > n:
+    if 0 < n < len(cand):
         cand = sorted(rng.sample(cand, n))
     return torch.tensor(cand, dtype=torch.long)
 

@@ -81,3 +81,25 @@ def draft_vocab_coverage(drafter, samples: list[dict]) -> float:
     dv = set(drafter.draft_vocab.tolist())
     sup = [t for s in samples for t, m in zip(s["input_ids"], s["loss_mask"]) if m]
     return sum(t in dv for t in sup) / max(1, len(sup))
+
+
+def init_from_target_layer(drafter, target, first: int) -> list[str]:
+    """Copy target decoder layers first, first+1, ... into the draft layers (a warm start); returns what was copied.
+
+    Draft layers are Llama/Qwen3-shaped, so every projection and norm maps by name; a weight the
+    target family lacks (q/k norm on Llama) keeps its fresh value (identity norm).
+    """
+    copied = []
+    with torch.no_grad():
+        for i, layer in enumerate(drafter.layers):
+            src = target.decoder_layer_weights(first + i)
+            for name, weight in src.items():
+                mine = getattr(getattr(layer, name, None), "weight", None)
+                if mine is None:
+                    continue
+                if mine.shape != weight.shape:
+                    raise DominoError(f"--init-from-layer {first + i}: target weight {name} has shape "
+                                      f"{tuple(weight.shape)}, the draft layer's has {tuple(mine.shape)}")
+                mine.copy_(weight.to(mine.dtype))
+                copied.append(f"layers.{i}.{name}")
+    return copied

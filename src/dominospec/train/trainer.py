@@ -55,7 +55,8 @@ class TrainConfig:
     max_steps: int = 0            # 0: derive from epochs
     epochs: float = 1.0
     batch_size: int = 4           # sequences per optimiser step, over all ranks
-    anchors: int = 32             # blocks per sequence
+    anchors: int = 32             # blocks per sequence (0: every supervised position, "dense")
+    distill: float = 0.0          # weight of the soft-label KL to the target's distribution (0: the token CE only)
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.0
@@ -82,7 +83,8 @@ class TrainConfig:
             ("max_steps", isinstance(self.max_steps, int) and self.max_steps >= 0, "an integer >= 0"),
             ("epochs", finite(self.epochs) and self.epochs > 0, "a finite number > 0"),
             ("batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an integer >= 1"),
-            ("anchors", isinstance(self.anchors, int) and self.anchors >= 1, "an integer >= 1"),
+            ("anchors", isinstance(self.anchors, int) and self.anchors >= 0, "an integer >= 0 (0: all)"),
+            ("distill", finite(self.distill) and 0 <= self.distill <= 1, "in [0, 1]"),
             ("lr", finite(self.lr) and self.lr > 0, "a finite number > 0"),
             ("warmup", finite(self.warmup) and 0 <= self.warmup <= 1, "a fraction in [0, 1]"),
             ("weight_decay", finite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
@@ -147,13 +149,17 @@ class Trainer:
         return chosen[self.dist.rank::self.dist.world]
 
     # ----- target features -----
+    @property
+    def needs_target_probs(self) -> bool:
+        return self.head.needs_target_probs or self.cfg.distill > 0
+
     def features(self, idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        need_final = self.head.needs_target_probs
+        need_final = self.needs_target_probs
         result: dict[int, tuple] = {}
         todo = []
         for i in idx:
             cached = self._cache_read(i) if self.feature_cache else None
-            if cached is not None:
+            if cached is not None and (cached[1] is not None or not need_final):
                 result[i] = cached
             else:
                 todo.append(i)
@@ -213,15 +219,21 @@ class Trainer:
             return (per * w).sum()
 
         p_t = None
-        if self.head.needs_target_probs:  # the target's distribution at each slot, from its final hidden state
+        if self.needs_target_probs:  # the target's distribution at each slot, from its final hidden state
             pos = (anchors.unsqueeze(1) + torch.arange(self.block, device=self.device)).clamp(max=ids.shape[0] - 1)
             with torch.no_grad():
                 p_t = torch.softmax(self.target.lm_head(final_hidden[pos]).to(z.dtype), -1)
                 if d.config.draft_vocab_size:
                     p_t = p_t[..., d.draft_vocab]  # mass outside the draft vocabulary adds 1 - sum
         loss, terms = self.head.loss(base, final, ce, p_t, w, lam)
+        if self.cfg.distill > 0:  # soft labels: KL(target || draft) on the draft vocabulary, renormalised there
+            q = p_t / p_t.sum(-1, keepdim=True).clamp_min(1e-12)
+            kl = (q * (q.clamp_min(1e-12).log() - torch.log_softmax(final.float(), -1))).sum(-1)  # [N, B]
+            terms["kl"] = (kl * w).sum()
+            loss = (1 - self.cfg.distill) * loss + self.cfg.distill * terms["kl"]
         if d.confidence is not None:
-            terms["bce"] = d.confidence.loss(z, prev_emb, final, labels, p_t, w)
+            # its label: the greedy hit, or the sampled acceptance for heads trained on the target's distribution
+            terms["bce"] = d.confidence.loss(z, prev_emb, final, labels, p_t if self.head.needs_target_probs else None, w)
             loss = loss + terms["bce"]
         with torch.no_grad():
             g, s = simulated_tau(final.detach(), labels, p_t)
@@ -277,7 +289,7 @@ class Trainer:
         blocks = max(1.0, float(vec[-2]))
         rec.update(step=self.step, lr=self.sched.get_last_lr()[0], grad_norm=gnorm,
                    tau_greedy=float(vec[-4]) / blocks, tokens=int(vec[-1]))
-        if self.head.needs_target_probs:
+        if self.needs_target_probs:
             rec["tau_sampled"] = float(vec[-3]) / blocks
         if self.head.uses_curriculum:
             rec["lambda"] = lam
@@ -433,7 +445,7 @@ class Trainer:
 
 
 def _postfix(rec: dict, val=None) -> str:
-    parts = [f"{k}={rec[k]:.3f}" for k in ("ce_final", "ce_base", "ce", "l1", "bce") if k in rec]
+    parts = [f"{k}={rec[k]:.3f}" for k in ("ce_final", "ce_base", "ce", "l1", "kl", "bce") if k in rec]
     if "lambda" in rec:
         parts.append(f"λ={rec['lambda']:.2f}")
     parts.append(f"tau={rec['tau_greedy']:.2f}")
