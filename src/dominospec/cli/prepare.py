@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ..data.extend import add_part, check_extendable
 from ..data.prepare import SHARD_BATCHES, PrepareConfig, prepare_data
 from ..data.sources import load_prompts
+from ..data.store import read_manifest
 from ..io import ensure_writable_dir
 from ..log import log
 from .common import add_target_args, require_at_least, target_from_args
@@ -16,12 +18,21 @@ def cmd_prepare(args) -> int:
                         top_k=args.top_k, seed=args.seed, batch_size=args.batch_size, shard_size=shard_size)
     require_at_least(args, 1, "limit")
     ensure_writable_dir(args.out)
+    if args.extend:
+        ensure_writable_dir(args.extend, "--extend")
     conversations, sources = load_prompts(args.prompts, seed=args.seed, limit=args.limit,
                                           on_error=args.on_error, report=log)
     turns = sum(len(c.turns) for c in conversations)
     log(f"{len(conversations)} conversations ({turns} user turns) from {len(sources)} source(s)")
     target = target_from_args(args)
+    if args.extend:
+        check_extendable(args.extend, target)
     prepare_data(target, conversations, args.out, cfg, sources=sources, on_error=args.on_error)
+    if args.extend:
+        entry = add_part(args.extend, args.out, conversations, exist_ok=True)
+        total = read_manifest(args.extend)["counts"]
+        log(f"{args.extend}: {entry['name']} holds this run ({entry['counts']['samples']} samples); the data set now "
+            f"has {total['samples']} samples, {total['tokens']} tokens ({total['supervised_tokens']} supervised)")
     return 0
 
 
@@ -37,6 +48,11 @@ def add_parser(sub) -> None:
                         "builtin:N (offline prompts from the Python stdlib, math templates, man pages) or "
                         "hf:NAME[:SPLIT]; repeat to mix sources")
     p.add_argument("--out", required=True, help="output directory (created; an existing one is resumed)")
+    p.add_argument("--extend", default=None, metavar="DATASET",
+                   help="when the run is complete, add it to this data set (created if new) as its next compact part "
+                        "(uint16 token ids in compressed shards, the prompts, a manifest); earlier parts stay byte "
+                        "for byte as they were, and a run made by another target or tokenizer is refused. "
+                        "`train --data DATASET` reads every part")
     p.add_argument("--limit", type=int, default=None, help="keep the first N conversations overall")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default %(default)s)")

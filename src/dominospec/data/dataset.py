@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import DominoError
 from ..log import log
+from .store import SHARED, check_part_files, is_dataset, read_manifest, read_npz_shard
 
 FORMAT = "dominospec-data/1"
 
@@ -42,9 +43,11 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
     a byte-order mark added by an editor is not taken for part of the first line.
     """
     d = Path(data_dir)
+    if is_dataset(d):
+        return _load_parts(d, target, allow_other_target)
     meta = read_meta(d)
     if meta is None:
-        raise DominoError(f"{d} is not a dominospec data directory (no meta.json); make one with "
+        raise DominoError(f"{d} is not a dominospec data directory (no meta.json or manifest.json); make one with "
                           "`dominospec prepare-data`")
     vocab_size = meta["vocab_size"]
     if target is not None:
@@ -55,16 +58,53 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
                 "Rerun prepare-data with the same arguments to finish it")
     samples, seen = [], set()
     for path in sorted(d.glob("samples-*.jsonl")):
-        with path.open(encoding="utf-8-sig") as f:
-            for lineno, line in enumerate(f, 1):
-                sample = _parse_sample(line, vocab_size, f"{path}:{lineno}")
-                if sample["id"] in seen:
-                    raise DominoError(f"{path}:{lineno}: sample id {sample['id']!r} appears twice")
-                seen.add(sample["id"])
-                samples.append(sample)
+        for where, sample in _read_jsonl(path, vocab_size):
+            _add_unique(sample, where, samples, seen)
     if not samples:
         raise DominoError(f"{d} holds no samples")
     return meta, samples
+
+
+def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[dict]]:
+    """A data set of parts: every part's compact shards, sample ids prefixed with their part."""
+    manifest = read_manifest(d)
+    meta = {**{k: manifest.get(k) for k in SHARED}, "format": manifest["format"], "complete": True,
+            "parts": [p["name"] for p in manifest["parts"]], "counts": manifest.get("counts")}
+    vocab_size = meta["vocab_size"]
+    if target is not None:
+        _check_target(meta, target, d, allow_other_target)
+        vocab_size = target.vocab_size
+    samples, seen = [], set()
+    for entry in manifest["parts"]:
+        check_part_files(d, entry)
+        for path in sorted((d / entry["name"]).glob("samples-*.npz")):
+            for n, sample in enumerate(read_npz_shard(path)):
+                sample["id"] = f"{entry['name']}/{sample['id']}"
+                _check_sample(sample, vocab_size, f"{path} sample {n}")
+                _add_unique(sample, f"{path} sample {n}", samples, seen)
+    if not samples:
+        raise DominoError(f"{d} holds no samples")
+    return meta, samples
+
+
+def iter_shard(path: Path, vocab_size: int):
+    """The samples of one JSONL shard, each checked."""
+    for _, sample in _read_jsonl(path, vocab_size):
+        yield sample
+
+
+def _read_jsonl(path: Path, vocab_size: int):
+    with path.open(encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            yield where, _parse_sample(line, vocab_size, where)
+
+
+def _add_unique(sample: dict, where: str, samples: list[dict], seen: set) -> None:
+    if sample["id"] in seen:
+        raise DominoError(f"{where}: sample id {sample['id']!r} appears twice")
+    seen.add(sample["id"])
+    samples.append(sample)
 
 
 def _check_target(meta: dict, target, d: Path, allow_other_target: bool) -> None:
@@ -97,6 +137,10 @@ def _parse_sample(line: str, vocab_size: int, where: str) -> dict:
         sample = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DominoError(f"{where}: bad JSON ({exc.msg})") from None
+    return _check_sample(sample, vocab_size, where)
+
+
+def _check_sample(sample: dict, vocab_size: int, where: str) -> dict:
     ids, mask = sample.get("input_ids"), sample.get("loss_mask")
     if not isinstance(sample.get("id"), str) or not isinstance(ids, list) or not isinstance(mask, list):
         raise DominoError(f"{where}: a sample needs id (string), input_ids and loss_mask (lists)")
