@@ -246,3 +246,30 @@ def plot_device_profile(table: dict, path: Path) -> bool:
     _save(fig, Path(path))
     plt.close(fig)
     return True
+
+
+def plot_reliability(calibration: dict, path: Path) -> bool:
+    """Reliability diagram of the survival products by block position, raw and after STS; False without
+    matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, key, ece_key, title in ((axes[0], "reliability_before", "ece_before", "raw confidences"),
+                                    (axes[1], "reliability_after", "ece_after", "after STS")):
+        ax.plot([0, 1], [0, 1], color="black", linewidth=0.8, linestyle="--")
+        for k, bins in enumerate(calibration[key], 1):
+            if bins:
+                ece = calibration[ece_key][k - 1]
+                ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], marker="o", markersize=3,
+                        label=f"k={k} (ECE {100 * ece:.1f}%)")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("predicted P(drafts 1..k survive)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("observed frequency")
+    _save(fig, Path(path))
+    plt.close(fig)
+    return True

@@ -169,12 +169,14 @@ def load_calibration(drafter) -> tuple[list[float] | None, str]:
 
 
 def make_policy(mode: str, drafter=None, target=None, threshold: float = DEFAULT_THRESHOLD,
-                costs: CostTable | None = None, block_size: int | None = None, report=log_once) -> VerifyPolicy:
+                costs: CostTable | None = None, block_size: int | None = None, lookup: bool = False,
+                report=log_once) -> VerifyPolicy:
     """The verify-length policy for `--verify MODE`.
 
-    static and cost need a drafter with a confidence head; cost also needs the device's cost table
-    (`costs`, or the stored `dominospec profile` of `target`). Without calibration.json the raw
-    confidences are used, and `report` says so (once per process by default).
+    static and cost read the drafter's confidence head (a drafter without one is refused) or, for prompt
+    lookup alone (drafter None, lookup True), the lookup's running acceptance. cost also needs the
+    device's cost table (`costs`, or the stored `dominospec profile` of `target`). Without calibration.json
+    the raw confidences are used, and `report` says so (once per process by default).
     """
     if mode not in VERIFY_MODES:
         raise DominoError(f"--verify {mode!r}: choose from {', '.join(VERIFY_MODES)}")
@@ -182,13 +184,15 @@ def make_policy(mode: str, drafter=None, target=None, threshold: float = DEFAULT
         raise DominoError(f"--confidence-threshold must be in (0, 1), got {threshold}")
     if mode == "fixed":
         return VerifyPolicy()
-    if drafter is None or getattr(drafter, "confidence", None) is None:
+    if (drafter is None and not lookup) or (drafter is not None and getattr(drafter, "confidence", None) is None):
         what = "no drafter" if drafter is None else "a drafter without a confidence head"
         raise DominoError(f"--verify {mode} reads the drafter's confidence head, and this run has {what}; use "
                           "--verify fixed, or a drafter made with --confidence-head")
-    temps, note = load_calibration(drafter)
-    if temps is None:
-        report(note)
+    temps, note = None, "prompt lookup: running acceptance by position"
+    if drafter is not None:
+        temps, note = load_calibration(drafter)
+        if temps is None:
+            report(note)
     if mode == "static":
         return StaticPolicy(temps, note, threshold=threshold)
     if costs is None:
@@ -198,7 +202,7 @@ def make_policy(mode: str, drafter=None, target=None, threshold: float = DEFAULT
                               "stored per device, backend, dtype and thread count)")
         costs = CostTable.from_profile(profile, drafter, block_size)
         widest = max(len(v) for v in costs.verify_s.values())
-        b = block_size or drafter.config.block_size
+        b = block_size or (drafter.config.block_size if drafter is not None else widest)
         if widest < b + 1:
             report(f"--verify cost: the device profile reaches {widest} new tokens, so at most {widest - 1} drafts "
                    f"are verified per cycle (rerun `dominospec profile --max-k {b + 1}`)")
