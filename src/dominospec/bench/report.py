@@ -27,13 +27,14 @@ def _f(x, digits: int = 2) -> str:
 
 
 def format_method_table(methods: dict) -> str:
-    lines = ["| method | tok/s | speedup | tau | mismatches | prompts | new tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | tok/s | speedup | tau | verified/cycle | wasted/cycle | mismatches | prompts | new tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in methods.items():
         mm = "-" if m["lossless_mismatches"] is None else str(m["lossless_mismatches"])
         if "not_near_tie" in m:
             mm += f" ({m['not_near_tie']} not near-tie)"
-        lines.append(f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | {mm} | "
+        lines.append(f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | "
+                     f"{_f(m.get('verified_per_cycle'))} | {_f(m.get('wasted_per_cycle'))} | {mm} | "
                      f"{m['num_prompts']} | {m['new_tokens']} |")
     return "\n".join(lines)
 
@@ -71,7 +72,10 @@ def render_report(results: dict, plots: bool = False) -> str:
              + ", ".join(f"{d} ({n} prompts)" for d, n in cfg["datasets"].items()) + ". "
              "All methods ran in one process, after a warm-up, interleaved per prompt; speedup is "
              "tokens/s over `ar` (plain decoding through the same adapter) on the same prompts; tau counts the "
-             "bonus token (1.0 for methods without draft cycles).", "",
+             "bonus token (1.0 for methods without draft cycles); verified/cycle = drafts the target checked per "
+             "cycle (its forward covers one more token), wasted/cycle = those it rejected. Suffixes: -static / "
+             "-cost = confidence-scheduled verification, -nohead = the ablation; hybrid-X = X with prompt lookup.",
+             "",
              "## Overall", "", format_method_table(results["methods"]), ""]
     for ds, methods in results["per_dataset"].items():
         parts += [f"## {ds}", "", format_method_table(methods), ""]

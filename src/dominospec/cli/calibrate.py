@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..bench.report import plot_reliability
 from ..bench.runner import load_prompt_sets
 from ..data.prompts import check_prompt_file
@@ -21,6 +23,8 @@ def cmd_calibrate(args) -> int:
     for p in args.prompts:
         check_prompt_file(p)
     sampling = sampling_from_args(args)
+    if not Path(args.drafter).is_dir():
+        raise DominoError(f"--drafter {args.drafter} is not a directory (a drafter made by `dominospec init/train`)")
     out = ensure_writable_dir(args.drafter, "--drafter")
     target = target_from_args(args)
     drafter = Drafter.from_pretrained(args.drafter, target=target)
