@@ -8,8 +8,7 @@ from conftest import tiny_drafter
 from test_reliability import char_model, run_cli, run_cli_json, shared_dir, write_prompts  # noqa: F401 (fixtures)
 
 from dominospec import DominoError
-from dominospec.decode.calibrate import (ConfidenceRecords, auroc, collect_records, expected_calibration_error,
-                                         fit_sts)
+from dominospec.decode.calibrate import ConfidenceRecords, auroc, collect_records, expected_calibration_error, fit_sts
 
 
 def synthetic_records(true_temps, n=4000, seed=0) -> ConfidenceRecords:

@@ -4,8 +4,14 @@ import pytest
 import torch
 from conftest import tiny_drafter
 from test_core import PROMPTS
-from test_schedule import (SAMPLING, CostPolicy, CostTable, confident_drafter, distribution_matches_target,
-                           sampling_target)
+from test_schedule import (
+    SAMPLING,
+    CostPolicy,
+    CostTable,
+    confident_drafter,
+    distribution_matches_target,
+    sampling_target,
+)
 
 from dominospec import DominoError, SamplingConfig, generate_autoregressive, generate_speculative
 from dominospec.decode import PromptLookup

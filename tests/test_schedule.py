@@ -10,7 +10,7 @@ from test_core import PROMPTS, _exact_target_distribution
 
 from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
 from dominospec.bench import runner
-from dominospec.decode import CostTable, Proposal, PromptLookup
+from dominospec.decode import CostTable, Proposal
 from dominospec.decode.schedule import CostPolicy, StaticPolicy, VerifyPolicy, make_policy
 
 # verifying k drafts costs verify[k] (k+1 new tokens); steep enough that the cost policy cuts blocks

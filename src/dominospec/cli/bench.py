@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
-from ..bench.runner import (DEFAULT_METHODS, benchmark, build_methods, load_prompt_sets, parse_methods, parse_verify,
-                            save_acceptance)
+from ..bench.runner import (
+    DEFAULT_METHODS,
+    benchmark,
+    build_methods,
+    load_prompt_sets,
+    parse_methods,
+    parse_verify,
+    save_acceptance,
+)
 from ..data.prompts import check_prompt_file
 from ..decode.cost import auto_block_size, profile_verify_cost
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
-from .common import (add_sampling_args, add_target_args, add_verify_args, block_size_arg, check_verify_args,
-                     require_at_least, resolve_drafter, sampling_from_args, target_from_args,
-                     warn_if_reduced_precision)
+from .common import (
+    add_sampling_args,
+    add_target_args,
+    add_verify_args,
+    block_size_arg,
+    check_verify_args,
+    require_at_least,
+    resolve_drafter,
+    sampling_from_args,
+    target_from_args,
+    warn_if_reduced_precision,
+)
 
 
 def cmd_bench(args) -> int:

@@ -10,9 +10,19 @@ from ..decode.cost import auto_block_size
 from ..errors import DominoError
 from ..log import log
 from ..target.context import encode_if_fits
-from .common import (LOOKUP, add_sampling_args, add_target_args, add_verify_args, block_size_arg, check_verify_args,
-                     require_at_least, resolve_drafter, sampling_from_args, target_from_args,
-                     warn_if_reduced_precision)
+from .common import (
+    LOOKUP,
+    add_sampling_args,
+    add_target_args,
+    add_verify_args,
+    block_size_arg,
+    check_verify_args,
+    require_at_least,
+    resolve_drafter,
+    sampling_from_args,
+    target_from_args,
+    warn_if_reduced_precision,
+)
 
 
 def cmd_generate(args) -> int:
