@@ -79,26 +79,27 @@ class Method:
         return PromptLookup(min_match=self.lookup_min_match) if self.lookup_min_match is not None else None
 
 
+def parse_choices(spec: str, flag: str, allowed: Sequence[str]) -> list[str]:
+    """A comma list of names from `allowed`, deduplicated in order; anything else names the flag."""
+    names = [g.strip() for g in spec.split(",") if g.strip()]
+    bad = [g for g in names if g not in allowed]
+    if bad or not names:
+        raise DominoError(f"{flag} {spec!r}: unknown {bad}; choose from {','.join(allowed)}")
+    return list(dict.fromkeys(names))
+
+
 def parse_methods(spec: str) -> list[str]:
-    groups = [g.strip() for g in spec.split(",") if g.strip()]
-    bad = [g for g in groups if g not in METHOD_GROUPS]
-    if bad or not groups:
-        raise DominoError(f"--methods {spec!r}: unknown {bad}; choose from {','.join(METHOD_GROUPS)}")
-    return list(dict.fromkeys(groups))
+    return parse_choices(spec, "--methods", METHOD_GROUPS)
+
+
+def parse_verify(spec: str) -> list[str]:
+    return parse_choices(spec, "--verify", VERIFY_MODES)
 
 
 def drafter_label(drafter, block_size: int | None = None) -> str:
     """e.g. domino-2L-b8: head, backbone layers, drafts per cycle."""
     c = drafter.config
     return f"{c.head}-{c.num_layers}L-b{block_size or c.block_size}"
-
-
-def parse_verify(spec: str) -> list[str]:
-    modes = [m.strip() for m in spec.split(",") if m.strip()]
-    bad = [m for m in modes if m not in VERIFY_MODES]
-    if bad or not modes:
-        raise DominoError(f"--verify {spec!r}: unknown {bad}; choose from {','.join(VERIFY_MODES)}")
-    return list(dict.fromkeys(modes))
 
 
 def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] = (),
