@@ -10,7 +10,7 @@ from test_core import PROMPTS, _exact_target_distribution
 
 from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
 from dominospec.bench import runner
-from dominospec.decode import CostTable, Proposal
+from dominospec.decode import CostTable, Proposal, draft_block
 from dominospec.decode.schedule import CostPolicy, StaticPolicy, VerifyPolicy, make_policy
 
 # verifying k drafts costs verify[k] (k+1 new tokens); steep enough that the cost policy cuts blocks
@@ -33,6 +33,26 @@ def logit(p):
 def proposal(confidences, source="drafter"):
     n = len(confidences)
     return Proposal(torch.arange(n), None, torch.tensor([logit(c) for c in confidences]), source=source)
+
+
+# ----- confidence at inference -----
+
+@pytest.mark.parametrize("head", ["domino", "none"])
+def test_confidence_logits_travel_with_the_proposal_and_read_the_token_before_each_slot(head, qwen3_target):
+    """c_k = sigmoid(w . [z_k ; embed(x_{a+k})]): slot 1 reads the anchor, slot k the draft before it."""
+    target = qwen3_target
+    drafter = confident_drafter(target, head=head)
+    ids = torch.tensor([[3, 8, 1, 9, 22, 5]])
+    feats = target.forward(ids, target.new_cache()).features
+    cache = drafter.new_cache()
+    anchor = ids[0, 5:6]
+    with torch.inference_mode():
+        drafter.extend_cache(cache, feats[:, :5])
+        prop = draft_block(drafter, cache, anchor, 4, SamplingConfig(), None)
+        z = drafter.backbone_block(cache, anchor)[0, :4]
+        want = drafter.confidence(z, drafter.embed(torch.cat([anchor, prop.drafts[:-1]])))
+    assert prop.confidence_logits.shape == (4,) and prop.source == "drafter"
+    assert torch.allclose(prop.confidence_logits, want, atol=1e-12)
 
 
 # ----- what each policy cuts -----
