@@ -97,6 +97,16 @@ def test_cli_calibrate_then_generate_with_scheduled_verification(char_model, tmp
                                 "--max-new-tokens", "8", "--json")
     assert rc == 0 and out["text"] == plain["text"] and "lookup_cycles" in out
 
+    # bench: each verify mode, lookup and hybrid side by side, all lossless
+    rc, err = run_cli(capsys, "bench", "--target", char_model, "--prompts", prompts, "--drafter", drafter, "--methods",
+                      "ar,drafters,lookup,hybrid", "--verify", "fixed,static", "--max-new-tokens", "6", "--no-plots",
+                      "--no-warmup", "--out", tmp_path / "bench")
+    assert rc == 0, err
+    res = json.loads((tmp_path / "bench" / "results.json").read_text())
+    assert list(res["methods"]) == ["ar", "lookup-b8", "lookup-b8-static", "domino-1L-b3", "domino-1L-b3-static",
+                                    "hybrid-domino-1L-b3", "hybrid-domino-1L-b3-static"]
+    assert all(m["lossless_mismatches"] == 0 for m in res["methods"].values())
+
 
 def test_cli_calibrate_and_scheduled_generate_refuse_bad_inputs(char_model, tmp_path, capsys):  # noqa: F811
     drafter, confident = tmp_path / "no-confidence", tmp_path / "confidence"
