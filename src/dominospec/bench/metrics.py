@@ -32,6 +32,8 @@ class PromptRun:
     accepted: list[int] = field(default_factory=list)   # per cycle
     committed: list[int] = field(default_factory=list)  # per cycle
     block_size: int = 0        # drafts per cycle; 0 for methods without cycles
+    verified: list[int] = field(default_factory=list)   # per cycle: drafts the target checked
+    lookup_cycles: int = 0     # cycles whose drafts prompt lookup copied
 
     @property
     def new_tokens(self) -> int:
@@ -46,23 +48,26 @@ class PromptRun:
         """From a decoding.GenerationResult."""
         return cls(method=method, dataset=dataset, prompt_index=prompt_index, tokens=list(res.tokens),
                    total_s=res.total_s, prefill_s=res.prefill_s, draft_s=res.draft_s, verify_s=res.verify_s,
-                   accepted=list(res.accepted), committed=list(res.committed), block_size=res.block_size)
+                   accepted=list(res.accepted), committed=list(res.committed), block_size=res.block_size,
+                   verified=list(res.verified), lookup_cycles=res.lookup_cycles)
 
 
 # ----- acceptance by block position -----
 
-def position_counts(accepted: Iterable[int], block_size: int) -> tuple[list[int], list[int]]:
+def position_counts(accepted: Sequence[int], block_size: int,
+                    verified: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
     """(judged, accepted) counts for block positions k = 1..block_size.
 
-    Position k is judged in a cycle iff drafts 1..k-1 were all accepted (accepted >= k-1),
-    and accepted iff accepted >= k.
+    Position k is judged in a cycle iff draft k was verified (verified >= k; default: every draft is)
+    and drafts 1..k-1 were all accepted (accepted >= k-1); it is accepted iff accepted >= k.
     """
     judged = [0] * block_size
     passed = [0] * block_size
-    for a in accepted:
-        if a < 0 or a > block_size:
-            raise ValueError(f"accepted count {a} outside 0..{block_size}")
-        for k in range(1, block_size + 1):
+    verified = verified if verified else [block_size] * len(accepted)
+    for a, v in zip(accepted, verified):
+        if a < 0 or a > v or v > block_size:
+            raise ValueError(f"accepted count {a} of {v} verified drafts outside 0..{block_size}")
+        for k in range(1, v + 1):
             if a >= k - 1:
                 judged[k - 1] += 1
             if a >= k:
@@ -70,9 +75,10 @@ def position_counts(accepted: Iterable[int], block_size: int) -> tuple[list[int]
     return judged, passed
 
 
-def conditional_acceptance(accepted: Sequence[int], block_size: int) -> list[float | None]:
-    """P(accept k | 1..k-1 accepted) per position; None where position k was never judged."""
-    judged, passed = position_counts(accepted, block_size)
+def conditional_acceptance(accepted: Sequence[int], block_size: int,
+                           verified: Sequence[int] | None = None) -> list[float | None]:
+    """P(accept k | 1..k-1 accepted, k verified) per position; None where position k was never judged."""
+    judged, passed = position_counts(accepted, block_size, verified)
     return [p / j if j else None for j, p in zip(judged, passed)]
 
 
@@ -158,15 +164,20 @@ def summarize(runs: Sequence[PromptRun], reference_tps: float | None = None,
     committed = [c for r in runs for c in r.committed]
     tps = tokens_per_second((r.new_tokens for r in runs), (r.total_s for r in runs))
     diff = mismatches(runs, reference_tokens) if reference_tokens is not None else None
+    verified = [v for r in runs for v in (r.verified or [r.block_size] * r.cycles)]
     out = {"tokens_per_s": tps,
            "speedup": speedup(tps, reference_tps),
            "tau": tokens_per_cycle(committed),
-           "accept_conditional": conditional_acceptance(accepted, block) if block else [],
+           "accept_conditional": conditional_acceptance(accepted, block, verified) if block else [],
            "accept_unconditional": unconditional_acceptance(accepted, block) if block else [],
            "lossless_mismatches": None if diff is None else len(diff),
            "num_prompts": len(runs),
            "new_tokens": sum(r.new_tokens for r in runs),
-           "block_size": block}
+           "block_size": block,
+           # drafts the target checked per cycle (its forward covers one more), and those it rejected
+           "verified_per_cycle": sum(verified) / len(verified) if verified else None,
+           "wasted_per_cycle": (sum(verified) - sum(accepted)) / len(verified) if verified else None,
+           "lookup_cycle_share": sum(r.lookup_cycles for r in runs) / len(accepted) if accepted else None}
     out.update(time_split(runs))
     if diff is not None:
         out["mismatched_prompts"] = diff

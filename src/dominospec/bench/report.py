@@ -27,13 +27,14 @@ def _f(x, digits: int = 2) -> str:
 
 
 def format_method_table(methods: dict) -> str:
-    lines = ["| method | tok/s | speedup | tau | mismatches | prompts | new tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | tok/s | speedup | tau | verified/cycle | wasted/cycle | mismatches | prompts | new tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in methods.items():
         mm = "-" if m["lossless_mismatches"] is None else str(m["lossless_mismatches"])
         if "not_near_tie" in m:
             mm += f" ({m['not_near_tie']} not near-tie)"
-        lines.append(f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | {mm} | "
+        lines.append(f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | "
+                     f"{_f(m.get('verified_per_cycle'))} | {_f(m.get('wasted_per_cycle'))} | {mm} | "
                      f"{m['num_prompts']} | {m['new_tokens']} |")
     return "\n".join(lines)
 
@@ -71,7 +72,10 @@ def render_report(results: dict, plots: bool = False) -> str:
              + ", ".join(f"{d} ({n} prompts)" for d, n in cfg["datasets"].items()) + ". "
              "All methods ran in one process, after a warm-up, interleaved per prompt; speedup is "
              "tokens/s over `ar` (plain decoding through the same adapter) on the same prompts; tau counts the "
-             "bonus token (1.0 for methods without draft cycles).", "",
+             "bonus token (1.0 for methods without draft cycles); verified/cycle = drafts the target checked per "
+             "cycle (its forward covers one more token), wasted/cycle = those it rejected. Suffixes: -static / "
+             "-cost = confidence-scheduled verification, -nohead = the ablation; hybrid-X = X with prompt lookup.",
+             "",
              "## Overall", "", format_method_table(results["methods"]), ""]
     for ds, methods in results["per_dataset"].items():
         parts += [f"## {ds}", "", format_method_table(methods), ""]
@@ -243,6 +247,33 @@ def plot_device_profile(table: dict, path: Path) -> bool:
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    _save(fig, Path(path))
+    plt.close(fig)
+    return True
+
+
+def plot_reliability(calibration: dict, path: Path) -> bool:
+    """Reliability diagram of the survival products by block position, raw and after STS; False without
+    matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, key, ece_key, title in ((axes[0], "reliability_before", "ece_before", "raw confidences"),
+                                    (axes[1], "reliability_after", "ece_after", "after STS")):
+        ax.plot([0, 1], [0, 1], color="black", linewidth=0.8, linestyle="--")
+        for k, bins in enumerate(calibration[key], 1):
+            if bins:
+                ece = calibration[ece_key][k - 1]
+                ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], marker="o", markersize=3,
+                        label=f"k={k} (ECE {100 * ece:.1f}%)")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("predicted P(drafts 1..k survive)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("observed frequency")
     _save(fig, Path(path))
     plt.close(fig)
     return True

@@ -27,6 +27,8 @@ import torch
 from ..data.prompts import read_prompt_file
 from ..decode import generate_autoregressive, generate_speculative
 from ..decode.cost import ACCEPTANCE_NAME
+from ..decode.lookup import HYBRID_MIN_MATCH, LOOKUP_BLOCK_SIZE, PromptLookup
+from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, CostTable, VerifyPolicy, make_policy
 from ..devices import describe_device, synchronize
 from ..errors import DominoError
 from ..io import ensure_writable_dir, write_atomic, write_json_atomic
@@ -37,8 +39,8 @@ from ..version import __version__
 from .metrics import REFERENCE, PromptRun, summarize, tokens_per_second
 from .report import render_report, write_plots
 
-METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation")
-DEFAULT_METHODS = ",".join(METHOD_GROUPS)
+METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation", "lookup", "hybrid", "sweep")
+DEFAULT_METHODS = "ar,hf,pld,drafters,ablation,lookup,hybrid"
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
 
@@ -47,11 +49,13 @@ WARMUP_TOKENS = 8
 class Method:
     """One way of decoding that the benchmark times."""
     name: str
-    kind: str                  # "ar" | "hf" | "pld" | "drafter"
+    kind: str                  # "ar" | "hf" | "pld" | "drafter" | "lookup" (prompt lookup alone)
     drafter: object = None     # a Drafter, for kind "drafter"
     use_head: bool = True      # False: the ablation (base logits only)
     block_size: int | None = None
     source: str = ""           # where the drafter came from
+    policy: VerifyPolicy | None = None  # how many drafts to verify each cycle (None: all)
+    lookup_min_match: int | None = None  # kind "drafter": a hybrid with prompt lookup from this match length
 
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind}
@@ -59,17 +63,37 @@ class Method:
             c = self.drafter.config
             d.update(source=self.source, head=c.head if self.use_head else "none (ablation)",
                      layers=c.num_layers, block_size=self.block_size or c.block_size)
+        if self.kind == "lookup":
+            d["block_size"] = self.block_size
+        if self.lookup_min_match is not None:
+            d["hybrid_lookup_min_match"] = self.lookup_min_match
+        if self.policy is not None:
+            d.update(self.policy.describe())
         if self.kind == "pld":
             d["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
         return d
 
+    def new_lookup(self) -> PromptLookup | None:
+        if self.kind == "lookup":
+            return PromptLookup()
+        return PromptLookup(min_match=self.lookup_min_match) if self.lookup_min_match is not None else None
+
+
+def parse_choices(spec: str, flag: str, allowed: Sequence[str]) -> list[str]:
+    """A comma list of names from `allowed`, deduplicated in order; anything else names the flag."""
+    names = [g.strip() for g in spec.split(",") if g.strip()]
+    bad = [g for g in names if g not in allowed]
+    if bad or not names:
+        raise DominoError(f"{flag} {spec!r}: unknown {bad}; choose from {','.join(allowed)}")
+    return list(dict.fromkeys(names))
+
 
 def parse_methods(spec: str) -> list[str]:
-    groups = [g.strip() for g in spec.split(",") if g.strip()]
-    bad = [g for g in groups if g not in METHOD_GROUPS]
-    if bad or not groups:
-        raise DominoError(f"--methods {spec!r}: unknown {bad}; choose from {','.join(METHOD_GROUPS)}")
-    return list(dict.fromkeys(groups))
+    return parse_choices(spec, "--methods", METHOD_GROUPS)
+
+
+def parse_verify(spec: str) -> list[str]:
+    return parse_choices(spec, "--verify", VERIFY_MODES)
 
 
 def drafter_label(drafter, block_size: int | None = None) -> str:
@@ -79,10 +103,15 @@ def drafter_label(drafter, block_size: int | None = None) -> str:
 
 
 def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] = (),
-                  block_size: int | dict[str, int] | None = None) -> tuple[list[Method], list[str]]:
+                  block_size: int | dict[str, int] | None = None, verify: Sequence[str] = ("fixed",),
+                  target=None, costs: CostTable | None = None, threshold: float = DEFAULT_THRESHOLD,
+                  lookup_min_match: int = HYBRID_MIN_MATCH) -> tuple[list[Method], list[str]]:
     """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
 
-    `ar` is always included: it is the reference everything else is compared with.
+    `ar` is always included: it is the reference everything else is compared with. Each drafter, the
+    lookup proposer and each hybrid run once per `verify` mode (fixed keeps the plain name, the others
+    get -static / -cost); a mode a method cannot run (no confidence head, no device profile for cost)
+    is skipped with a note. `sweep` adds each drafter at every smaller fixed block size.
     """
     notes: list[str] = []
     methods = [Method(REFERENCE, "ar")]
@@ -92,9 +121,25 @@ def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] 
         methods.append(Method("hf", "hf"))
     if "pld" in groups:
         methods.append(Method("pld", "pld"))
-    if ("drafters" in groups or "ablation" in groups) and not drafters:
+    if any(g in groups for g in ("drafters", "ablation", "hybrid", "sweep")) and not drafters:
         notes.append("no drafter given and none is shipped for this target: drafter methods skipped "
                      "(pass --drafter DIR)")
+
+    def with_policies(name: str, drafter, b: int | None, lookup: bool) -> list[tuple[str, VerifyPolicy]]:
+        out = []
+        for mode in verify:
+            try:
+                policy = make_policy(mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append)
+            except DominoError as exc:
+                notes.append(f"{name}-{mode}: skipped ({exc})")
+                continue
+            out.append((name if mode == "fixed" else f"{name}-{mode}", policy))
+        return out
+
+    if "lookup" in groups:
+        b = block_size if isinstance(block_size, int) else LOOKUP_BLOCK_SIZE
+        for name, policy in with_policies(f"lookup-b{b}", None, b, True):
+            methods.append(Method(name, "lookup", block_size=b, policy=policy))
     seen: set[str] = set()
     for source, d in drafters:
         b = block_size.get(source) if isinstance(block_size, dict) else block_size
@@ -107,14 +152,20 @@ def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] 
             name = f"{Path(source).name}:{name}"
         seen.add(name)
         if "drafters" in groups:
-            methods.append(Method(name, "drafter", d, True, b, source))
+            for label, policy in with_policies(name, d, b, False):
+                methods.append(Method(label, "drafter", d, True, b, source, policy))
         if "ablation" in groups:
             if d.config.head == "none":
                 notes.append(f"{name}: no ablation, its head is already 'none'")
             else:
                 methods.append(Method(f"{name}-nohead", "drafter", d, False, b, source))
+        if "hybrid" in groups:
+            for label, policy in with_policies(f"hybrid-{name}", d, b, False):
+                methods.append(Method(label, "drafter", d, True, b, source, policy, lookup_min_match))
+        if "sweep" in groups:
+            for smaller in range(1, (b or d.config.block_size)):
+                methods.append(Method(f"{name.rsplit('-b', 1)[0]}-b{smaller}", "drafter", d, True, smaller, source))
     return methods, notes
-
 
 
 # ----- running -----
@@ -140,9 +191,10 @@ def run_one(target, method: Method, prompt_ids: Sequence[int], max_new_tokens: i
     if method.kind == "ar":
         res = generate_autoregressive(target, prompt_ids, max_new_tokens, sampling, seed)
         return PromptRun.from_generation(res, method.name, dataset, prompt_index)
-    if method.kind == "drafter":
+    if method.kind in ("drafter", "lookup"):
         res = generate_speculative(target, method.drafter, prompt_ids, max_new_tokens, sampling, seed,
-                                   block_size=method.block_size, use_head=method.use_head)
+                                   block_size=method.block_size, use_head=method.use_head, verify=method.policy,
+                                   lookup=method.new_lookup())
         return PromptRun.from_generation(res, method.name, dataset, prompt_index)
     if method.kind in ("hf", "pld"):  # capped at the context like the adapter's own decoding
         max_new_tokens = cap_new_tokens(max_new_tokens, len(prompt_ids), target.max_positions)
@@ -247,7 +299,8 @@ def benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequence[Me
     write_atomic(out / "runs.jsonl", "".join(json.dumps(
         {"method": r.method, "dataset": r.dataset, "prompt_index": r.prompt_index, "new_tokens": r.new_tokens,
          "total_s": r.total_s, "prefill_s": r.prefill_s, "draft_s": r.draft_s, "verify_s": r.verify_s,
-         "accepted": r.accepted, "committed": r.committed, "tokens": r.tokens}) + "\n" for r in runs))
+         "accepted": r.accepted, "committed": r.committed, "verified": r.verified, "lookup_cycles": r.lookup_cycles,
+         "tokens": r.tokens}) + "\n" for r in runs))
     made = write_plots(results, out) if plots else None
     if plots:
         if made is None:
@@ -305,7 +358,8 @@ def save_acceptance(results: dict, methods: Sequence[Method]) -> list[Path]:
     written = []
     for m in methods:
         d = m.drafter
-        if m.kind != "drafter" or not m.use_head or getattr(d, "source_dir", None) is None:
+        if (m.kind != "drafter" or not m.use_head or getattr(d, "source_dir", None) is None
+                or (m.policy is not None and m.policy.name != "fixed") or m.lookup_min_match is not None):
             continue
         summary = results["methods"][m.name]
         if results["config"]["temperature"] != 0 or summary["block_size"] != d.config.block_size:

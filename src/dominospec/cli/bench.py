@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
-from ..bench.runner import DEFAULT_METHODS, benchmark, build_methods, load_prompt_sets, parse_methods, save_acceptance
+from ..bench.runner import (
+    DEFAULT_METHODS,
+    benchmark,
+    build_methods,
+    load_prompt_sets,
+    parse_methods,
+    parse_verify,
+    save_acceptance,
+)
 from ..data.prompts import check_prompt_file
 from ..decode.cost import auto_block_size, profile_verify_cost
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
-from .common import (add_sampling_args, add_target_args, block_size_arg, require_at_least, resolve_drafter,
-                     sampling_from_args, target_from_args, warn_if_reduced_precision)
+from .common import (
+    add_sampling_args,
+    add_target_args,
+    add_verify_args,
+    block_size_arg,
+    check_verify_args,
+    require_at_least,
+    resolve_drafter,
+    sampling_from_args,
+    target_from_args,
+    warn_if_reduced_precision,
+)
 
 
 def cmd_bench(args) -> int:
@@ -20,6 +38,8 @@ def cmd_bench(args) -> int:
     require_at_least(args, 1, "max_new_tokens", "limit", "context", "max_k", "repeats",
                      *(["block_size"] if args.block_size != "auto" else []))
     groups = parse_methods(args.methods)
+    verify = parse_verify(args.verify)
+    check_verify_args(args)
     for p in args.prompts:
         check_prompt_file(p)
     sampling = sampling_from_args(args)
@@ -40,7 +60,7 @@ def cmd_bench(args) -> int:
     drafters = []
     if args.drafter:
         drafters = [(d, resolve_drafter(target, d)) for d in args.drafter]
-    elif "drafters" in groups or "ablation" in groups:
+    elif any(g in groups for g in ("drafters", "ablation", "hybrid", "sweep")):
         shipped = resolve_drafter(target, None)
         if shipped is not None:
             drafters = [("shipped default", shipped)]
@@ -51,7 +71,8 @@ def cmd_bench(args) -> int:
             b, note = auto_block_size(target, d)
             block_size[source] = max(1, b)  # the benchmark measures the drafter even where plain wins
             log(f"{source}: {note}")
-    methods, notes = build_methods(groups, drafters, block_size)
+    methods, notes = build_methods(groups, drafters, block_size, verify, target, threshold=args.confidence_threshold,
+                                   lookup_min_match=args.lookup_min_match)
     for n in notes:
         log(n)
     datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
@@ -60,7 +81,7 @@ def cmd_bench(args) -> int:
     results = benchmark(target, datasets, methods, out, max_new_tokens=args.max_new_tokens, sampling=sampling,
                         seed=args.seed, warmup=not args.no_warmup, plots=not args.no_plots, notes=notes,
                         config={"prompt_files": [str(p) for p in args.prompts], "limit": args.limit,
-                                "block_size": args.block_size})
+                                "block_size": args.block_size, "verify": verify})
     for m in results["methods"].values():
         for x in m.get("mismatched_prompts", []):
             log(f"MISMATCH {x['method']}: {x['dataset']} prompt {x['prompt_index']} differs from ar at token "
@@ -80,8 +101,9 @@ def cmd_bench(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench", help="benchmark speedup, tau, acceptance and losslessness against plain decoding",
-        description="Run plain decoding (ar, the reference), transformers generate (hf), prompt lookup (pld) and "
-                    "each drafter with and without its sequential head on the same prompts, interleaved per prompt "
+        description="Run plain decoding (ar, the reference), transformers generate (hf), transformers prompt lookup "
+                    "(pld), each drafter with each --verify policy and without its sequential head, dominospec's "
+                    "own prompt lookup and the drafter + lookup hybrid on the same prompts, interleaved per prompt "
                     "after a warm-up; write DIR/results.json, report.md and plots. With --profile, also measure "
                     "the target's verify cost for 1..K new tokens (DIR/verify_cost.json).")
     p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
@@ -91,8 +113,9 @@ def add_parser(sub) -> None:
     p.add_argument("--drafter", action="append", default=[], metavar="DIR",
                    help="drafter directory (repeatable; default: the one shipped for the bundled target)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list of ar, hf, pld, drafters, ablation (drafters without their head) "
-                        "(default %(default)s)")
+                   help="comma list of ar, hf, pld, drafters, ablation (drafters without their head), lookup "
+                        "(prompt lookup alone, on the native path), hybrid (each drafter + prompt lookup), sweep "
+                        "(each drafter at every smaller fixed block size) (default %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--block-size", type=block_size_arg, default=None,
@@ -101,6 +124,7 @@ def add_parser(sub) -> None:
     p.add_argument("--save-acceptance", action="store_true",
                    help="write each drafter's measured conditional acceptance by position into its directory "
                         "(acceptance.json, what --block-size auto reads); needs greedy runs at the full block size")
+    add_verify_args(p, several=True)
     add_sampling_args(p)
     p.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up run of each method")
     p.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")

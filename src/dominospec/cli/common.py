@@ -6,6 +6,8 @@ import argparse
 
 import torch
 
+from ..decode.lookup import HYBRID_MIN_MATCH
+from ..decode.schedule import DEFAULT_THRESHOLD
 from ..drafter import HEADS, Drafter, shipped_drafter_dir
 from ..errors import DominoError, flag
 from ..log import log, log_once
@@ -111,3 +113,33 @@ def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):
     if target.name == DEFAULT_TARGET and (shipped / "config.json").exists():
         return Drafter.from_pretrained(shipped, target=target)
     return None
+
+
+LOOKUP = "lookup"  # --drafter lookup: prompt lookup alone, no trained drafter
+
+
+def add_verify_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """--verify, --confidence-threshold, --lookup-min-match (the verify-length policy and the lookup proposer)."""
+    if several:
+        p.add_argument("--verify", default="fixed,static,cost",
+                       help="comma list of verify-length policies to run each drafter (and hybrid) with: fixed "
+                            "(every draft), static (stop before the first slot under --confidence-threshold), "
+                            "cost (stop where expected tokens/s stops rising; needs `dominospec profile`); "
+                            "static and cost are skipped for drafters without a confidence head (default %(default)s)")
+    else:
+        p.add_argument("--verify", default="fixed", choices=("fixed", "static", "cost"),
+                       help="how many drafts to verify per cycle: fixed (all), static (stop before the first slot "
+                            "whose calibrated confidence is under --confidence-threshold), cost (stop where the "
+                            "expected tokens/s from the calibrated confidences and the device profile stops "
+                            "rising); static and cost need a drafter with a confidence head (default %(default)s)")
+    p.add_argument("--confidence-threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help="for --verify static, in (0, 1) (default %(default)s)")
+    p.add_argument("--lookup-min-match", type=int, default=HYBRID_MIN_MATCH,
+                   help="a hybrid (drafter + prompt lookup) copies from the context when the last N tokens "
+                        "occurred there before (default %(default)s)")
+
+
+def check_verify_args(args) -> None:
+    if not 0 < args.confidence_threshold < 1:
+        raise DominoError(f"--confidence-threshold must be in (0, 1), got {args.confidence_threshold}")
+    require_at_least(args, 1, "lookup_min_match")

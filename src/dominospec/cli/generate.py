@@ -5,13 +5,24 @@ from __future__ import annotations
 import json
 import sys
 
-from ..decode import generate_autoregressive, generate_speculative
+from ..decode import PromptLookup, generate_autoregressive, generate_speculative, make_policy
 from ..decode.cost import auto_block_size
 from ..errors import DominoError
 from ..log import log
 from ..target.context import encode_if_fits
-from .common import (add_sampling_args, add_target_args, block_size_arg, require_at_least, resolve_drafter,
-                     sampling_from_args, target_from_args, warn_if_reduced_precision)
+from .common import (
+    LOOKUP,
+    add_sampling_args,
+    add_target_args,
+    add_verify_args,
+    block_size_arg,
+    check_verify_args,
+    require_at_least,
+    resolve_drafter,
+    sampling_from_args,
+    target_from_args,
+    warn_if_reduced_precision,
+)
 
 
 def cmd_generate(args) -> int:
@@ -19,12 +30,14 @@ def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise DominoError("PROMPT is empty: give the message to answer, e.g. dominospec generate \"Hello\"")
     require_at_least(args, 1, "max_new_tokens", *(["block_size"] if args.block_size != "auto" else []))
+    check_verify_args(args)
     sampling = sampling_from_args(args)
+    lookup_only = args.drafter == LOOKUP and not args.no_draft
     target = target_from_args(args)
-    drafter = resolve_drafter(target, args.drafter, args.no_draft)
-    if drafter is None and not args.no_draft:
+    drafter = None if lookup_only else resolve_drafter(target, args.drafter, args.no_draft)
+    if drafter is None and not args.no_draft and not lookup_only:
         log("no drafter given and none is shipped for this target: plain decoding "
-            "(train one with `dominospec train`, or pass --drafter DIR)")
+            "(train one with `dominospec train`, pass --drafter DIR, or --drafter lookup)")
     warn_if_reduced_precision(target)
     block_size = args.block_size
     if block_size == "auto":
@@ -34,6 +47,13 @@ def cmd_generate(args) -> int:
             log(note)
             if block_size == 0:
                 drafter = None
+        elif lookup_only:
+            log("--block-size auto: prompt lookup has no acceptance table; using its default block size")
+    lookup = PromptLookup(min_match=args.lookup_min_match) if lookup_only or (args.lookup and drafter) else None
+    policy = None
+    if drafter is not None or lookup is not None:
+        policy = make_policy(args.verify, drafter, target, args.confidence_threshold, block_size=block_size,
+                             lookup=lookup is not None, report=log)
     prompt_ids, too_long = encode_if_fits(args.prompt, target.encode_raw if args.raw else target.encode_chat,
                                           target.max_positions, target.max_token_chars)
     if too_long:
@@ -48,11 +68,11 @@ def cmd_generate(args) -> int:
             sys.stdout.write(text[shown["printed"]:])
             sys.stdout.flush()
             shown["printed"] = len(text)
-    if drafter is None:
+    if drafter is None and lookup is None:
         res = generate_autoregressive(target, prompt_ids, args.max_new_tokens, sampling, args.seed, on_tokens=stream)
     else:
         res = generate_speculative(target, drafter, prompt_ids, args.max_new_tokens, sampling, args.seed,
-                                   block_size=block_size, on_tokens=stream)
+                                   block_size=block_size, on_tokens=stream, verify=policy, lookup=lookup)
     text = target.decode(res.tokens)
     for note in res.notes:
         log(note)
@@ -60,12 +80,15 @@ def cmd_generate(args) -> int:
         print(json.dumps(res.to_dict(text)))
         return 0
     tau = f", tau {res.tau:.2f} over {res.cycles} cycles (block {res.block_size})" if res.cycles else ""
-    mode = "speculative" if drafter is not None else "plain"
+    mode = ("plain" if lookup is None else "lookup") if drafter is None else (
+        "hybrid" if lookup is not None else "speculative")
     print(f"\n\n[{mode}] {res.new_tokens} tokens in {res.total_s:.2f}s = {res.tokens_per_s:.1f} tok/s{tau}",
           file=sys.stderr)
     if res.cycles:
         print(f"[{mode}] draft {res.draft_s:.2f}s, verify {res.verify_s:.2f}s, prefill {res.prefill_s:.2f}s; "
-              f"accepted per position {res.accepted_per_position}", file=sys.stderr)
+              f"accepted per position {res.accepted_per_position}; verify {args.verify}: "
+              f"{res.verified_per_cycle:.2f} drafts verified, {res.wasted_per_cycle:.2f} rejected per cycle"
+              + (f"; {res.lookup_cycles} lookup cycles" if lookup is not None else ""), file=sys.stderr)
     return 0
 
 
@@ -75,7 +98,11 @@ def add_parser(sub) -> None:
                                    "decoding; prints the text, tokens/s and tau.")
     p.add_argument("prompt", help="the user message")
     add_target_args(p)
-    p.add_argument("--drafter", help="drafter directory (default: the one shipped for the bundled target)")
+    p.add_argument("--drafter", help="drafter directory (default: the one shipped for the bundled target), or "
+                                     "lookup: prompt lookup alone, no trained drafter")
+    p.add_argument("--lookup", action="store_true",
+                   help="hybrid: copy the continuation from the prompt and the answer so far when the last "
+                        "--lookup-min-match tokens occurred there, use the drafter otherwise")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     p.add_argument("--block-size", type=block_size_arg, default=None,
                    help="draft tokens per cycle (at most the drafter's), or auto: the best for this device from "
@@ -83,5 +110,6 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_verify_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

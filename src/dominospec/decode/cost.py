@@ -124,8 +124,14 @@ def profile_device(target, drafter=None, contexts: Sequence[int] = (256, 1024), 
              "verify": {str(c): profile_verify_cost(target, c, max_k, repeats, seed, progress) for c in usable}}
     if drafter is not None:
         table["draft"] = profile_draft_cost(target, drafter, min(usable), repeats, seed)
-        table["draft"]["drafter"] = drafter.config.target_name + f"/{drafter.config.head}-{drafter.config.num_layers}L"
+        table["draft"]["drafter"] = profile_drafter_label(drafter)
     return table
+
+
+def profile_drafter_label(drafter) -> str:
+    """How a device profile names the drafter whose draft cost it measured."""
+    c = drafter.config
+    return c.target_name + f"/{c.head}-{c.num_layers}L"
 
 
 def save_profile(table: dict) -> Path:

@@ -19,6 +19,7 @@ class Proposal:
     drafts: torch.Tensor                          # [b] target token ids
     draft_probs: torch.Tensor | None = None       # [b, V] when sampling: zero outside a draft vocabulary
     confidence_logits: torch.Tensor | None = None  # [b] logit of P(draft k survives | drafts < k did)
+    source: str = "drafter"                       # "drafter" | "lookup"
 
     def __len__(self) -> int:
         return int(self.drafts.shape[0])

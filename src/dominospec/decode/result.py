@@ -5,6 +5,8 @@ Two per-cycle lists carry different facts:
                  EOS or the token budget. Acceptance by position is computed from it.
   committed[i] = tokens actually committed in cycle i (accepted drafts + the target's own token,
                  then cut at EOS / max-new-tokens). tau is computed from it.
+  verified[i]  = drafts the target checked in cycle i (its forward covered verified[i] + 1 tokens);
+                 verified - accepted of them were wasted.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class GenerationResult:
     block_size: int = 0
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+    lookup_cycles: int = 0                 # cycles whose drafts were copied by prompt lookup
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -48,11 +52,22 @@ class GenerationResult:
         return [sum(1 for a in self.accepted if a >= k) for k in range(1, self.block_size + 1)]
 
     @property
+    def verified_per_cycle(self) -> float | None:
+        return sum(self.verified) / len(self.verified) if self.verified else None
+
+    @property
+    def wasted_per_cycle(self) -> float | None:
+        """Drafts the target checked and rejected, per cycle."""
+        return (sum(self.verified) - sum(self.accepted)) / len(self.verified) if self.verified else None
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
     def to_dict(self, text: str | None = None) -> dict:
         return {"text": text, "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s,
                 "tau": self.tau, "cycles": self.cycles, "accepted_per_position": self.accepted_per_position,
+                "verified_per_cycle": self.verified_per_cycle, "wasted_per_cycle": self.wasted_per_cycle,
+                "lookup_cycles": self.lookup_cycles,
                 "draft_s": self.draft_s, "verify_s": self.verify_s, "prefill_s": self.prefill_s,
                 "total_s": self.total_s, "notes": self.notes}

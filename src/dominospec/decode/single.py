@@ -2,8 +2,10 @@
 
 The speculative cycle (read top to bottom):
   1. propose: one drafter backbone pass over [anchor, MASK...], then the head's left-to-right
-     rollout (propose.draft_block) -> a Proposal of b drafts
-  2. verify: one target forward over [anchor, d_1..d_b] (b+1 positions)
+     rollout (propose.draft_block) -> a Proposal of b drafts; or a copy from the context
+     (lookup.PromptLookup), alone or as a hybrid with the drafter
+  2. verify: the policy (schedule.py) picks k <= b from the drafts and their confidences; one
+     target forward over [anchor, d_1..d_k] (k+1 positions)
   3. accept: greedy exact match, or rejection sampling against the draft's real distribution
   4. commit accepted drafts + one target token, roll the target cache back, feed the committed
      rows' features into the draft cache.
@@ -20,8 +22,10 @@ from ..devices import synchronize
 from ..errors import DominoError
 from ..sampling import SamplingConfig, accept_greedy, accept_rejection, sample, warp_probs
 from ..target.context import cap_new_tokens
-from .propose import draft_block
+from .lookup import LOOKUP_BLOCK_SIZE, PromptLookup
+from .propose import Proposal, draft_block
 from .result import GenerationResult
+from .schedule import VerifyPolicy
 
 
 def _truncate(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], bool]:
@@ -101,12 +105,25 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
                          sampling: SamplingConfig = SamplingConfig(), seed: int | None = 0,
                          block_size: int | None = None, use_head: bool = True,
                          eos_ids: Sequence[int] | None = None,
-                         on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-    """Domino speculative decoding; output equals `generate_autoregressive` (greedy: token for token)."""
+                         on_tokens: Callable[[list[int]], None] | None = None,
+                         verify: VerifyPolicy | None = None, lookup: PromptLookup | None = None,
+                         on_cycle: Callable[[Proposal, int, int], None] | None = None) -> GenerationResult:
+    """Speculative decoding; output equals `generate_autoregressive` (greedy: token for token).
+
+    Proposers: the drafter; prompt lookup alone (drafter=None, lookup given); or both, a hybrid that
+    takes the lookup continuation when its suffix match has at least lookup.min_match tokens.
+    verify: how many of the proposed drafts the target checks each cycle (default: all of them).
+    on_cycle(proposal, verified, accepted) sees every cycle (calibration records it).
+    """
     dev = target.device
-    b = drafter.config.block_size if block_size is None else int(block_size)
-    if not 1 <= b <= drafter.config.block_size:
-        raise DominoError(f"block size {b} must be between 1 and the drafter's {drafter.config.block_size}")
+    if drafter is None and lookup is None:
+        raise DominoError("speculative decoding needs a drafter, prompt lookup, or both")
+    b = int(block_size) if block_size is not None else (
+        drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
+    top = drafter.config.block_size if drafter is not None else b
+    if not 1 <= b <= top:
+        raise DominoError(f"block size {b} must be between 1 and the drafter's {top}")
+    verify = verify or VerifyPolicy()
     ids = _check_prompt(prompt_ids, max_new_tokens).to(dev)
     eos = set(target.eos_ids if eos_ids is None else eos_ids)
     gen = _generator(seed, dev)
@@ -115,11 +132,16 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
     limit = target.max_positions
 
     t0 = time.perf_counter()
-    tcache, dcache = target.new_cache(max_len=ids.shape[1] + max_new_tokens + b + 1), drafter.new_cache()
-    layers = drafter.config.target_layer_ids
-    out = target.forward(ids, tcache, last_logits_only=True, layer_ids=layers)
-    drafter.extend_cache(dcache, out.features)
+    tcache = target.new_cache(max_len=ids.shape[1] + max_new_tokens + b + 1)
+    dcache = drafter.new_cache() if drafter is not None else None
+    layers = drafter.config.target_layer_ids if drafter is not None else None
+    out = target.forward(ids, tcache, last_logits_only=True, layer_ids=layers, with_features=dcache is not None)
+    if dcache is not None:
+        drafter.extend_cache(dcache, out.features)
     tok = _first_token(out.logits[0, -1], sampling, gen)
+    if lookup is not None:
+        lookup.start(prompt_ids)
+        lookup.extend([tok])
     synchronize(dev)
     res.prefill_s = time.perf_counter() - t0
     res.tokens.append(tok)
@@ -132,31 +154,49 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
         drafts_now = b if limit is None else min(b, limit - committed_len)
         anchor = torch.tensor([tok], device=dev)
         t1 = time.perf_counter()
-        proposal = draft_block(drafter, dcache, anchor, drafts_now, sampling, gen, use_head)
-        drafts = proposal.drafts
+        proposal = None
+        if lookup is not None:  # a hybrid takes the copy only from a long enough match
+            proposal, matched = lookup.propose(drafts_now, target.vocab_size, sampling, dev)
+            if drafter is not None and matched < lookup.min_match:
+                proposal = None
+        if proposal is None and drafter is not None:
+            proposal = draft_block(drafter, dcache, anchor, drafts_now, sampling, gen, use_head)
+        # k drafts verified: decided from the drafts and confidences only, never from the target's verdict
+        k = verify.verify_length(proposal, committed_len - 1) if proposal is not None else 0
+        drafts = proposal.drafts[:k] if proposal is not None else anchor[:0]
         synchronize(dev)
         t2 = time.perf_counter()
-        block = torch.cat([anchor, drafts]).unsqueeze(0)  # [1, b+1]
-        out = target.forward(block, tcache, layer_ids=layers)
-        logits = out.logits[0]                            # [b+1, V]
+        block = torch.cat([anchor, drafts]).unsqueeze(0)  # [1, k+1]
+        out = target.forward(block, tcache, layer_ids=layers, with_features=dcache is not None)
+        logits = out.logits[0]                            # [k+1, V]
         if sampling.greedy:
             n, nxt = accept_greedy(drafts, logits)
         else:
-            n, nxt = accept_rejection(drafts, proposal.draft_probs, warp_probs(logits, sampling), gen)
+            draft_probs = proposal.draft_probs[:k] if proposal is not None else logits[:0]
+            n, nxt = accept_rejection(drafts, draft_probs, warp_probs(logits, sampling), gen)
         new = drafts[:n].tolist() + [nxt]
         # keep the anchor and accepted drafts in the target cache; the new token is the next anchor
         target.crop_cache(tcache, committed_len + n)
         synchronize(dev)
         t3 = time.perf_counter()
-        drafter.extend_cache(dcache, out.features[:, : n + 1])  # drafter work: counted as draft time
+        if dcache is not None:
+            drafter.extend_cache(dcache, out.features[:, : n + 1])  # drafter work: counted as draft time
         synchronize(dev)
         res.draft_s += (t2 - t1) + (time.perf_counter() - t3)
         res.verify_s += t3 - t2
+        if proposal is not None and proposal.source == "lookup":
+            lookup.record(k, n)
+            res.lookup_cycles += 1
+        if on_cycle and proposal is not None:
+            on_cycle(proposal, k, n)
         new, done = _truncate(new, eos, max_new_tokens - len(res.tokens))
         res.cycles += 1
         res.accepted.append(n)
+        res.verified.append(k)
         res.committed.append(len(new))
         res.tokens.extend(new)
+        if lookup is not None:
+            lookup.extend(new)
         if on_tokens:
             on_tokens(new)
         tok = new[-1]

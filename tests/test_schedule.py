@@ -1,0 +1,304 @@
+"""Verify-length policies: what they cut, that cutting stays lossless, and why the search stops at its first drop."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from test_core import PROMPTS, _exact_target_distribution
+
+from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
+from dominospec.bench import runner
+from dominospec.decode import CostTable, Proposal, draft_block
+from dominospec.decode.schedule import CostPolicy, StaticPolicy, VerifyPolicy, make_policy
+
+# verifying k drafts costs verify[k] (k+1 new tokens); steep enough that the cost policy cuts blocks
+COSTS = CostTable({0: [1.0, 1.25, 1.45, 1.7, 2.0]})
+
+
+def confident_drafter(target, block_size=4, seed=1, scale=1.5, head="domino", draft_vocab=0):
+    """A random drafter whose confidence head has weights large enough to vary from slot to slot."""
+    d = tiny_drafter(target, head=head, block_size=block_size, seed=seed, confidence=True, draft_vocab=draft_vocab)
+    with torch.no_grad():
+        torch.nn.init.normal_(d.confidence.proj.weight, std=scale / math.sqrt(d.confidence.proj.in_features))
+        d.confidence.proj.bias.fill_(0.5)
+    return d
+
+
+def logit(p):
+    return math.log(p / (1 - p))
+
+
+def proposal(confidences, source="drafter"):
+    n = len(confidences)
+    return Proposal(torch.arange(n), None, torch.tensor([logit(c) for c in confidences]), source=source)
+
+
+# ----- confidence at inference -----
+
+@pytest.mark.parametrize("head", ["domino", "none"])
+def test_confidence_logits_travel_with_the_proposal_and_read_the_token_before_each_slot(head, qwen3_target):
+    """c_k = sigmoid(w . [z_k ; embed(x_{a+k})]): slot 1 reads the anchor, slot k the draft before it."""
+    target = qwen3_target
+    drafter = confident_drafter(target, head=head)
+    ids = torch.tensor([[3, 8, 1, 9, 22, 5]])
+    feats = target.forward(ids, target.new_cache()).features
+    cache = drafter.new_cache()
+    anchor = ids[0, 5:6]
+    with torch.inference_mode():
+        drafter.extend_cache(cache, feats[:, :5])
+        prop = draft_block(drafter, cache, anchor, 4, SamplingConfig(), None)
+        z = drafter.backbone_block(cache, anchor)[0, :4]
+        want = drafter.confidence(z, drafter.embed(torch.cat([anchor, prop.drafts[:-1]])))
+    assert prop.confidence_logits.shape == (4,) and prop.source == "drafter"
+    assert torch.allclose(prop.confidence_logits, want, atol=1e-12)
+
+
+# ----- what each policy cuts -----
+
+def test_static_stops_before_the_first_slot_under_the_threshold():
+    policy = StaticPolicy(threshold=0.5)
+    assert policy.verify_length(proposal([0.9, 0.8, 0.4, 0.9])) == 2  # slot 4 is confident, but after a stop
+    assert policy.verify_length(proposal([0.3, 0.9])) == 0
+    assert policy.verify_length(proposal([0.6, 0.7, 0.9])) == 3
+    # temperatures act on the logits: T = 3 pulls 0.8 (logit 1.39) to 0.61, T = 0.2 pushes 0.4 to 0.12
+    assert StaticPolicy([1.0, 3.0, 0.2], threshold=0.65).verify_length(proposal([0.9, 0.8, 0.4])) == 1
+    # lookup confidences are running acceptance estimates: no temperatures
+    assert StaticPolicy([1.0, 3.0, 0.2], threshold=0.65).verify_length(proposal([0.9, 0.8, 0.4], "lookup")) == 2
+    assert VerifyPolicy().verify_length(proposal([0.1, 0.1])) == 2
+
+
+def test_cost_policy_adds_drafts_while_expected_tokens_per_second_rise():
+    policy = CostPolicy(costs=COSTS)
+    # survival 0.9, 0.81, 0.73, 0.66: rates 1, 1.52, 1.87, 2.03, 2.08 -> all four
+    assert policy.verify_length(proposal([0.9] * 4)) == 4
+    # survival 0.5, 0.25, ...: rates 1, 1.2, 1.21, 1.1 -> stops at the first drop, k = 2
+    assert policy.rates([0.5, 0.25, 0.125, 0.0625])[:4] == pytest.approx([1.0, 1.2, 1.75 / 1.45, 1.875 / 1.7])
+    assert policy.verify_length(proposal([0.5] * 4)) == 2
+    assert policy.verify_length(proposal([0.1] * 4)) == 0
+    # a draft cost paid every cycle makes longer verifies relatively cheaper
+    heavy = CostPolicy(costs=CostTable(COSTS.verify_s, draft_s=3.0))
+    assert heavy.verify_length(proposal([0.5] * 4)) > 2
+    # the table limits the search: 2 new tokens profiled -> at most 1 draft
+    assert CostPolicy(costs=CostTable({0: [1.0, 1.01]})).verify_length(proposal([0.99] * 4)) == 1
+
+
+def test_cost_policy_uses_the_profiled_context_nearest_to_the_current_one():
+    table = CostTable({64: [1.0, 1.1, 1.2], 1024: [1.0, 3.0, 4.0]})
+    policy = CostPolicy(costs=table)
+    assert policy.verify_length(proposal([0.7, 0.7]), context=50) == 2
+    assert policy.verify_length(proposal([0.7, 0.7]), context=900) == 0
+
+
+# ----- DSpark's counterexample: the search must stop at its first drop -----
+
+P_T = torch.tensor([0.7, 0.3], dtype=torch.float64)  # the target's next-token distribution, every position
+P_D = torch.tensor([0.5, 0.5], dtype=torch.float64)  # the drafter's
+# c_1 does not depend on the drafts; c_2 reads d_1: confident after token 0, not after token 1
+C1, C2 = 0.5, {0: 0.99, 1: 0.01}
+COUNTER_COSTS = CostTable({0: [1.0, 1.6, 1.7]})      # verifying 1 draft never pays; 2 may
+
+
+def first_token_distribution(choose_k) -> torch.Tensor:
+    """Exact distribution of the first committed token of one cycle with two drafts, by enumeration.
+
+    choose_k(proposal) -> drafts to verify; acceptance is Leviathan/Chen rejection sampling.
+    """
+    out = torch.zeros(2, dtype=torch.float64)
+    residual = (P_T - P_D).clamp_min(0)
+    residual = residual / residual.sum()
+    for d1 in (0, 1):
+        for d2 in (0, 1):
+            weight = P_D[d1] * P_D[d2]
+            k = choose_k(Proposal(torch.tensor([d1, d2]), None, torch.tensor([logit(C1), logit(C2[d1])])))
+            if k == 0:  # nothing verified: the target's own token
+                out += weight * P_T
+                continue
+            accept = min(1.0, float(P_T[d1] / P_D[d1]))
+            out[d1] += weight * accept
+            out += weight * (1 - accept) * residual
+    return out
+
+
+def test_search_past_the_first_drop_changes_the_output_distribution_and_ours_does_not():
+    policy = CostPolicy(costs=COUNTER_COSTS)
+
+    def full_search(p):  # the best k over the whole block: c_2 (which read d_1) decides whether d_1 is verified
+        rates = policy.rates(torch.cumprod(policy.confidences(p), 0).tolist())
+        return max(range(len(rates)), key=rates.__getitem__)
+
+    assert [full_search(Proposal(torch.tensor([d, 0]), None, torch.tensor([logit(C1), logit(C2[d])])))
+            for d in (0, 1)] == [2, 0]
+    assert first_token_distribution(full_search) == pytest.approx(torch.tensor([0.85, 0.15], dtype=torch.float64),
+                                                                  abs=1e-12)
+    assert first_token_distribution(policy.verify_length) == pytest.approx(P_T, abs=1e-12)
+    # the static rule looks at c_1..c_k only, so it is safe on the same example
+    assert first_token_distribution(StaticPolicy(threshold=0.4).verify_length) == pytest.approx(P_T, abs=1e-12)
+
+
+# ----- lossless end to end -----
+
+def policies():
+    return {"static": StaticPolicy(threshold=0.6), "cost": CostPolicy(costs=COSTS)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("mode", ["static", "cost"])
+def test_scheduled_verification_keeps_greedy_output(family, mode, llama_target, qwen3_target):
+    target = llama_target if family == "llama" else qwen3_target
+    drafter = confident_drafter(target, block_size=4)
+    verified = set()
+    for prompt in PROMPTS:
+        ref = generate_autoregressive(target, prompt, 30, eos_ids=[])
+        for b in (2, 4):
+            spec = generate_speculative(target, drafter, prompt, 30, block_size=b, eos_ids=[],
+                                        verify=policies()[mode])
+            assert spec.tokens == ref.tokens, (family, mode, b, prompt)
+            assert all(a <= v <= b for a, v in zip(spec.accepted, spec.verified))
+            verified.update(spec.verified)
+    assert len(verified) >= 2 and min(verified) < 4  # the policy really cut blocks, to several lengths
+
+
+def distribution_matches_target(run, prompt, steps=3, n=1000, seed_target=3) -> dict:
+    """Chi-square of n speculative 3-token samples against the target's exact distribution (enumeration).
+
+    run(target, seed) -> GenerationResult. Returns counters the caller can check (cycles, verified, ...).
+    """
+    from scipy.stats import chisquare
+
+    target = sampling_target(seed_target)
+    exact = _exact_target_distribution(target, prompt, steps, SAMPLING)
+    counts, seen = {}, {"verified": set(), "accepted_any": 0, "lookup_cycles": 0}
+    for seed in range(n):
+        res = run(target, seed)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        seen["verified"].update(res.verified)
+        seen["accepted_any"] += sum(res.accepted) > 0
+        seen["lookup_cycles"] += res.lookup_cycles
+    keys = sorted(exact, key=exact.get, reverse=True)
+    big = [k for k in keys if exact[k] * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
+    assert len(big) >= 15
+    assert sum(c for k, c in counts.items() if exact.get(k, 0) == 0) == 0
+    stat = chisquare(obs, exp)
+    assert stat.pvalue > 1e-3, stat
+    return seen
+
+
+SAMPLING = SamplingConfig(1.0)
+_targets = {}
+
+
+def sampling_target(seed=3):
+    """A tiny, soft target (many likely outcomes, so a wrong rule shows) on the native path (fast)."""
+    if seed not in _targets:
+        model = tiny_target("qwen3", vocab=8, layers=2, seed=seed).model
+        with torch.no_grad():  # before the native path packs its own copy of the weights
+            model.get_output_embeddings().weight.mul_(0.7)
+        _targets[seed] = Target(model, name="tiny-soft", backend="native")
+    return _targets[seed]
+
+
+@pytest.mark.parametrize("mode", ["static", "cost"])
+def test_scheduled_verification_preserves_target_distribution(mode):
+    target = sampling_target()
+    drafter = confident_drafter(target, block_size=3, seed=4, scale=3.0)
+    policy = {"static": StaticPolicy(threshold=0.5), "cost": CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]}))}
+
+    def run(t, seed):
+        return generate_speculative(t, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[], verify=policy[mode])
+
+    seen = distribution_matches_target(run, [1, 2, 3, 4])
+    assert seen["accepted_any"] > 50 and len(seen["verified"]) >= 2
+
+
+class PeekingPolicy(VerifyPolicy):
+    """Wrong on purpose: verifies drafts only while each is one of the tokens the target likes most here,
+    i.e. reads d_k to decide about d_k."""
+
+    def verify_length(self, proposal, context=0):
+        k = 0
+        while k < len(proposal) and int(proposal.drafts[k]) in (0, 1, 2, 3):
+            k += 1
+        return k
+
+
+def test_distribution_test_detects_a_policy_that_reads_the_draft_it_judges():
+    target = sampling_target()
+    drafter = confident_drafter(target, block_size=3, seed=4, scale=3.0)
+
+    def run(t, seed):
+        return generate_speculative(t, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[],
+                                    verify=PeekingPolicy())
+
+    with pytest.raises(AssertionError, match="pvalue"):  # the chi-square itself, not a side check
+        distribution_matches_target(run, [1, 2, 3, 4])
+
+
+# ----- building policies -----
+
+def test_policies_refuse_without_a_confidence_head_and_fall_back_to_raw_confidences(llama_target, tmp_path):
+    with pytest.raises(DominoError, match="confidence head"):
+        make_policy("static", tiny_drafter(llama_target, block_size=4), llama_target)
+    with pytest.raises(DominoError, match="no drafter"):
+        make_policy("cost", None, llama_target, costs=COSTS)
+    with pytest.raises(DominoError, match="threshold"):
+        make_policy("static", None, llama_target, threshold=1.0)
+    assert type(make_policy("fixed")) is VerifyPolicy
+    drafter = confident_drafter(llama_target)
+    said = []
+    policy = make_policy("static", drafter, llama_target, report=said.append)
+    assert policy.temperatures is None and len(said) == 1 and "raw confidences" in said[0]
+    drafter.source_dir = tmp_path
+    (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [1.5, 2.0, 2.5, 3.0]}))
+    said.clear()
+    policy = make_policy("cost", drafter, llama_target, costs=COSTS, report=said.append)
+    assert policy.temperatures == [1.5, 2.0, 2.5, 3.0] and not said
+    (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [1.5, -1, 2.5, 3.0]}))
+    with pytest.raises(DominoError, match="calibration.json"):
+        make_policy("static", drafter, llama_target)
+    # prompt lookup alone may be scheduled by its own running acceptance
+    assert make_policy("static", None, llama_target, lookup=True).name == "static"
+
+
+def test_cost_without_a_device_profile_says_how_to_make_one(llama_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
+    with pytest.raises(DominoError, match="dominospec profile"):
+        make_policy("cost", confident_drafter(llama_target), llama_target)
+
+
+# ----- the benchmark runs them side by side -----
+
+def test_bench_runs_each_verify_policy_lookup_and_hybrid_side_by_side(llama_target, tmp_path):
+    drafters = [("conf", confident_drafter(llama_target, block_size=3)),
+                ("plain", tiny_drafter(llama_target, head="none", block_size=2, seed=5))]
+    notes_said = []
+    methods, notes = runner.build_methods(["drafters", "lookup", "hybrid", "sweep"], drafters,
+                                          verify=runner.parse_verify("fixed,static,cost"), target=llama_target,
+                                          costs=COSTS, threshold=0.6)
+    notes_said += notes
+    names = [m.name for m in methods]
+    assert names == ["ar", "lookup-b8", "lookup-b8-static", "lookup-b8-cost",
+                     "domino-2L-b3", "domino-2L-b3-static", "domino-2L-b3-cost",
+                     "hybrid-domino-2L-b3", "hybrid-domino-2L-b3-static", "hybrid-domino-2L-b3-cost",
+                     "domino-2L-b1", "domino-2L-b2",
+                     "none-2L-b2", "hybrid-none-2L-b2", "none-2L-b1"]
+    assert any("none-2L-b2-static: skipped" in n and "confidence head" in n for n in notes_said)
+    with pytest.raises(DominoError, match="--verify"):
+        runner.parse_verify("fixed,greedy")
+    datasets = {"loop": [[5, 9, 11, 2, 7, 8, 30, 4, 4, 17]], "short": [[1, 2, 3]]}
+    res = runner.benchmark(llama_target, datasets, methods, tmp_path, max_new_tokens=16, progress=False, plots=False)
+    for name, m in res["methods"].items():
+        assert m["lossless_mismatches"] == 0, name
+        if name != "ar":
+            assert 0 <= m["wasted_per_cycle"] <= m["verified_per_cycle"] <= m["block_size"], name
+    assert res["methods"]["ar"]["verified_per_cycle"] is None
+    assert 0 < res["methods"]["lookup-b8"]["lookup_cycle_share"] <= 1  # the rest: no match, one plain step
+    assert res["methods"]["domino-2L-b3"]["verified_per_cycle"] == 3.0
+    assert res["methods"]["domino-2L-b3-cost"]["verified_per_cycle"] < 3.0
+    assert "| verified/cycle | wasted/cycle |" in (tmp_path / "report.md").read_text()
+    cfg = {m["name"]: m for m in res["config"]["methods"]}
+    assert cfg["domino-2L-b3-static"]["confidence_threshold"] == 0.6
+    assert cfg["hybrid-domino-2L-b3"]["hybrid_lookup_min_match"] == 3
