@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 from conftest import tiny_target
-from test_data import CONVERSATIONS, CFG, CharCodec
+from test_data import CFG, CONVERSATIONS, CharCodec
 
 from dominospec import DominoError
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.data.extend import add_part, check_extendable
 from dominospec.data.prepare import prepare_data
-from dominospec.data.prompts import Conversation, read_prompt_file
+from dominospec.data.prompts import read_prompt_file
 from dominospec.data.store import dataset_prompts, read_manifest, read_npz_shard
 
 REPO = Path(__file__).resolve().parents[1]

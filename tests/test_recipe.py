@@ -42,7 +42,11 @@ def test_dense_anchors_take_every_supervised_position(tmp_path, qwen3_target):
                       progress=False)
     seen = []
     real = trainer.sequence_terms
-    trainer.sequence_terms = lambda i, f, fin, anchors, lam: (seen.append(anchors.numel()), real(i, f, fin, anchors, lam))[1]
+    def counting(i, f, fin, anchors, lam):
+        seen.append(anchors.numel())
+        return real(i, f, fin, anchors, lam)
+
+    trainer.sequence_terms = counting
     trainer.train_step()
     assert seen == [15] * 4  # 16 supervised tokens: 15 positions whose next token is supervised too
 

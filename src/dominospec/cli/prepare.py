@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..data.extend import add_part, check_extendable
 from ..data.prepare import SHARD_BATCHES, PrepareConfig, prepare_data
-from ..data.sources import load_prompts
+from ..data.sources import is_self_written, load_prompts
 from ..data.store import read_manifest
 from ..io import ensure_writable_dir
 from ..log import log
@@ -20,11 +20,14 @@ def cmd_prepare(args) -> int:
     ensure_writable_dir(args.out)
     if args.extend:
         ensure_writable_dir(args.extend, "--extend")
+    target = None
+    if is_self_written(args.prompts):  # the target writes some prompts itself: load it first
+        target = target_from_args(args)
     conversations, sources = load_prompts(args.prompts, seed=args.seed, limit=args.limit,
-                                          on_error=args.on_error, report=log)
+                                          on_error=args.on_error, report=log, target=target)
     turns = sum(len(c.turns) for c in conversations)
     log(f"{len(conversations)} conversations ({turns} user turns) from {len(sources)} source(s)")
-    target = target_from_args(args)
+    target = target or target_from_args(args)
     if args.extend:
         check_extendable(args.extend, target)
     prepare_data(target, conversations, args.out, cfg, sources=sources, on_error=args.on_error)
@@ -45,7 +48,8 @@ def add_parser(sub) -> None:
     add_target_args(p)
     p.add_argument("--prompts", action="append", required=True, metavar="SOURCE",
                    help="a JSONL file (turns / ShareGPT conversations / messages / prompt layouts), "
-                        "builtin:N (offline prompts from the Python stdlib, math templates, man pages) or "
+                        "builtin:N (offline prompts from the Python stdlib, math templates, man pages), "
+                        "self:N (questions the target writes itself, deduplicated, degenerate ones dropped) or "
                         "hf:NAME[:SPLIT]; repeat to mix sources")
     p.add_argument("--out", required=True, help="output directory (created; an existing one is resumed)")
     p.add_argument("--extend", default=None, metavar="DATASET",

@@ -8,12 +8,14 @@ from pathlib import Path
 from ..errors import DominoError
 from .builtin import builtin_prompts
 from .prompts import Conversation, load_hf_dataset, read_prompt_file
+from .selfwritten import self_written_prompts
 
 
 def load_prompts(specs: list[str], seed: int = 0, limit: int | None = None, on_error: str = "skip",
-                 report=None) -> tuple[list[Conversation], list[dict]]:
-    """Resolve --prompts values (FILE, builtin[:N], hf:NAME[:SPLIT]) into conversations and source records.
+                 report=None, target=None) -> tuple[list[Conversation], list[dict]]:
+    """Resolve --prompts values (FILE, builtin[:N], self:N, hf:NAME[:SPLIT]) into conversations and source records.
 
+    self:N (prompts the target writes itself) needs `target`.
     Sources are concatenated in the order given; `limit` keeps the first N conversations overall.
     """
     conversations, sources, names = [], [], set()
@@ -21,6 +23,12 @@ def load_prompts(specs: list[str], seed: int = 0, limit: int | None = None, on_e
         if spec == "builtin" or spec.startswith("builtin:"):
             n = _builtin_count(spec, limit)
             convs, record = builtin_prompts(n, seed), {"spec": spec, "kind": "builtin", "seed": seed}
+        elif spec.startswith("self:"):
+            if target is None:
+                raise DominoError(f"--prompts {spec}: prompts written by the target need the target loaded")
+            n = _count(spec)
+            convs = self_written_prompts(target, n, seed, report=report)
+            record = {"spec": spec, "kind": "self", "seed": seed}
         elif spec.startswith("hf:"):
             name, _, split = spec[3:].partition(":")
             convs, record = load_hf_dataset(name, split or "train", on_error, report), {"spec": spec, "kind": "hf"}
@@ -47,10 +55,19 @@ def _builtin_count(spec: str, limit: int | None) -> int:
         if limit is None:
             raise DominoError("--prompts builtin needs a size: builtin:N, or pass --limit N")
         return limit
+    return _count(spec)
+
+
+def is_self_written(specs: list[str]) -> bool:
+    return any(spec.startswith("self:") for spec in specs)
+
+
+def _count(spec: str) -> int:
+    kind = spec.split(":", 1)[0]
     try:
         n = int(spec.split(":", 1)[1])
     except ValueError:
-        raise DominoError(f"--prompts {spec!r}: expected builtin:N with an integer N") from None
+        raise DominoError(f"--prompts {spec!r}: expected {kind}:N with an integer N") from None
     if n < 1:
         raise DominoError(f"--prompts {spec!r}: N must be at least 1")
     return n

@@ -58,8 +58,9 @@ def write_npz_shard(path: Path, samples: list[dict], vocab_size: int) -> None:
         np.zeros(0, np.uint8)
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
-            np.savez_compressed(f, ids=ids, mask=np.packbits(mask), length=np.asarray(
-                [len(s["input_ids"]) for s in samples], dtype=np.int64), sample_id=np.asarray([s["id"] for s in samples]))
+            lengths = np.asarray([len(s["input_ids"]) for s in samples], dtype=np.int64)
+            names = np.asarray([s["id"] for s in samples])
+            np.savez_compressed(f, ids=ids, mask=np.packbits(mask), length=lengths, sample_id=names)
 
 
 def read_npz_shard(path: Path) -> list[dict]:

@@ -279,6 +279,16 @@ class Target:
             return tok(text, add_special_tokens=False)["input_ids"]
         return tok("\n".join(m["content"] for m in messages))["input_ids"]
 
+    def open_user_turn(self, opening: str) -> list[int]:
+        """The chat template up to an unfinished user turn that starts with `opening`: the model writes the rest."""
+        tok = self._need_tokenizer()
+        if not getattr(tok, "chat_template", None):
+            return tok(opening)["input_ids"]
+        mark = "\x00DOMINO-USER-TURN\x00"
+        text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                       add_generation_prompt=False, enable_thinking=False)
+        return tok(text[:text.index(mark)] + opening, add_special_tokens=False)["input_ids"]
+
     def encode_raw(self, text: str) -> list[int]:
         return self._need_tokenizer()(text)["input_ids"]
 
