@@ -291,3 +291,20 @@ def test_sample_rows_draws_from_the_warped_distribution():
     assert float(freq[p == 0].sum()) == 0.0  # nothing outside the nucleus
     sigma = (p * (1 - p) / n).sqrt()
     assert bool(((freq - p).abs() <= 4 * sigma + 1e-9).all()), (freq, p)
+
+
+@pytest.mark.parametrize("layer_ids", [[0, 2], [1, 3]])  # [1, 3] includes the last layer (post-norm in HF)
+def test_native_sequence_features_equal_the_transformers_pass(layer_ids):
+    """Protects: training features on the native path (one unpadded sequence at a time) are HF's hidden states."""
+    from dominospec import Target
+
+    model = tiny("qwen3", torch.float64)
+    hf, nat = Target(model, name="t", backend="hf"), Target(model, name="t", backend="native")
+    assert nat.native is not None and hf.native is None
+    seqs = [[1, 5, 9, 3, 2, 8, 7], [4, 4, 6], list(range(1, 30))]
+    fh, lh = hf.sequence_features(seqs, layer_ids)
+    fn, ln = nat.sequence_features(seqs, layer_ids)
+    for a, b, c, d, s in zip(fh, fn, lh, ln, seqs):
+        assert a.shape == b.shape == (len(s), len(layer_ids) * hf.hidden_size)
+        torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-9)
+        torch.testing.assert_close(d, c, atol=1e-9, rtol=1e-9)

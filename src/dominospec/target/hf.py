@@ -222,6 +222,9 @@ class Target:
         Returns, per sequence, its feature-layer states [S_i, n*H] and its post-norm final hidden
         states [S_i, H] (what the frozen LM head reads), each its own tensor.
         """
+        layer_ids = list(layer_ids or self.layer_ids)
+        if self.native is not None:
+            return self._native_sequence_features(seqs, layer_ids)
         lens = [len(s) for s in seqs]
         ids = torch.zeros(len(seqs), max(lens), dtype=torch.long)
         att = torch.zeros_like(ids)
@@ -231,9 +234,24 @@ class Target:
         out = self.model(input_ids=ids.to(self.device), attention_mask=att.to(self.device), use_cache=False,
                          output_hidden_states=True, logits_to_keep=1)
         hs = out.hidden_states
-        feats = torch.cat([hs[i + 1] for i in (layer_ids or self.layer_ids)], dim=-1)  # [N, S, n*H]
+        feats = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)  # [N, S, n*H]
         return ([feats[r, :n].clone() for r, n in enumerate(lens)],
                 [hs[-1][r, :n].clone() for r, n in enumerate(lens)])
+
+    def _native_sequence_features(self, seqs, layer_ids: list[int]):
+        """The same on the native path, one sequence at a time (no padding computed). HF's last hidden
+        state is post-norm, so a feature layer that is the last layer is taken after the final norm too."""
+        native, last = self.native, self.num_layers - 1
+        want = sorted(set(layer_ids) | {last})
+        feats, finals = [], []
+        for s in seqs:
+            cache = native.new_cache(batch=1, max_len=len(s))
+            _, rows = native(torch.tensor([list(s)], device=self.device), cache, logits="none", feature_layers=want)
+            per = dict(zip(want, rows[0].split(self.hidden_size, dim=-1)))  # layer -> [S, H]
+            final = native.final_norm(per[last])
+            feats.append(torch.cat([final if j == last else per[j] for j in layer_ids], dim=-1))
+            finals.append(final)
+        return feats, finals
 
     # ----- transformers' own generate: benchmark baselines and data making -----
     def hf_generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,

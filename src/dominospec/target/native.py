@@ -315,6 +315,10 @@ class NativeModel(nn.Module):
             raise ValueError(why)
         return cls(NativeConfig.from_hf(hf_model.config), hf_model).eval()
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's last RMSNorm (what the LM head reads)."""
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
     def new_cache(self, batch: int = 1, max_len: int = 2048) -> KVCache:
         return KVCache(self.cfg, batch, max_len, self.dtype, self.device)
 
