@@ -14,7 +14,7 @@ from dominospec import DominoError
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.data.extend import add_part, check_extendable
 from dominospec.data.prepare import prepare_data
-from dominospec.data.prompts import read_prompt_file
+from dominospec.data.prompts import Conversation, read_prompt_file
 from dominospec.data.store import dataset_prompts, read_manifest, read_npz_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def test_parts_round_trip_and_extending_keeps_earlier_parts_byte_identical(targe
     assert entry["name"] == "part-000"
     plain = load_dataset_dir(first, target)[1]
     meta, packed = load_dataset_dir(ds, target)
-    assert [s["id"] for s in packed] == [f"part-000/{s['id']}" for s in plain]
+    assert [s["id"] for s in packed] == [f"part-000:{s['id']}" for s in plain]
     assert [(s["input_ids"], s["loss_mask"]) for s in packed] == [(s["input_ids"], s["loss_mask"]) for s in plain]
     before = digests(ds)
 
@@ -131,3 +131,16 @@ def test_compact_shard_round_trips_in_under_a_byte_and_a_half_per_token(tmp_path
     assert read_npz_shard(tmp_path / "s.npz") == samples
     tokens = sum(len(s["input_ids"]) for s in samples)
     assert (tmp_path / "s.npz").stat().st_size < 1.5 * tokens
+
+
+def test_validation_split_keeps_conversations_of_a_data_set_apart(target, tmp_path):
+    """Protects: part-prefixed ids still split by conversation (and not all into validation)."""
+    from dominospec.train.validate import conversation_of, split_validation
+
+    ds = tmp_path / "ds"
+    add_part(ds, run(target, tmp_path, "a", convs=[Conversation((f"count to {i}", "again"), f"c:{i}")
+                                                    for i in range(40)]))
+    samples = load_dataset_dir(ds, target)[1]
+    train, val = split_validation(samples, 0.2)
+    assert train and val
+    assert not {conversation_of(s) for s in train} & {conversation_of(s) for s in val}

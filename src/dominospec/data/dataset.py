@@ -79,7 +79,7 @@ def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[d
         check_part_files(d, entry)
         for path in sorted((d / entry["name"]).glob("samples-*.npz")):
             for n, sample in enumerate(read_npz_shard(path)):
-                sample["id"] = f"{entry['name']}/{sample['id']}"
+                sample["id"] = f"{entry['name']}:{sample['id']}"  # ":" keeps "/turn" as the split mark
                 _check_sample(sample, vocab_size, f"{path} sample {n}")
                 _add_unique(sample, f"{path} sample {n}", samples, seen)
     if not samples:
