@@ -114,8 +114,10 @@ def test_shipped_default_drafter_is_used_and_lossless(capsys, smollm):
     at most 30 MB); `generate` without --drafter uses it, and its greedy output is the target's."""
     shipped = shipped_drafter_dir("smollm2-135m")
     files = sorted(p.name for p in shipped.iterdir())
-    # acceptance.json: its measured acceptance by position, what --block-size auto reads
-    assert files in (["config.json", "model.safetensors"], ["acceptance.json", "config.json", "model.safetensors"]), files
+    # acceptance.json: its measured acceptance by position (what --block-size auto reads);
+    # calibration.json: its confidence head's temperatures (what --verify static/cost read)
+    assert {"config.json", "model.safetensors"} <= set(files) <= {
+        "config.json", "model.safetensors", "acceptance.json", "calibration.json"}, files
     assert sum(p.stat().st_size for p in shipped.iterdir()) <= 30 * 2**20
     cfg = json.loads((shipped / "config.json").read_text())
     assert cfg["head"] == "domino"
