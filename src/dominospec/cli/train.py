@@ -21,9 +21,9 @@ SAVE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bflo
 def cmd_train(args) -> int:
     # every number and the output locations are checked before the target or the data load
     cfg = TrainConfig(max_steps=args.max_steps, epochs=args.epochs, batch_size=args.batch_size, anchors=args.anchors,
-                      lr=args.lr, distill=args.distill, gamma=args.gamma, lambda_start=args.lambda_start, lambda_decay=args.lambda_decay,
-                      max_seq_len=args.max_seq_len, seed=args.seed, save_every=args.save_every,
-                      val_every=args.val_every, val_anchors=args.val_anchors)
+                      lr=args.lr, distill=args.distill, gamma=args.gamma, lambda_start=args.lambda_start,
+                      lambda_decay=args.lambda_decay, max_seq_len=args.max_seq_len, seed=args.seed,
+                      save_every=args.save_every, val_every=args.val_every, val_anchors=args.val_anchors)
     check_arch_args(args)
     require_at_least(args, 0, "draft_vocab")
     require_at_least(args, 1, "val_every", "val_anchors")
@@ -62,15 +62,15 @@ def cmd_train(args) -> int:
         if args.draft_vocab and dist.main:
             log(f"draft vocabulary: {args.draft_vocab} tokens cover {draft_vocab_coverage(drafter, samples):.1%} "
                 f"of the supervised training tokens")
-    if cache and dist.main:
-        tokens = sum(len(s["input_ids"]) for s in samples)
-        rows = len(drafter.config.target_layer_ids) + (drafter.head.needs_target_probs or cfg.distill > 0)  # + final
-        per_token = 2 * target.hidden_size * rows
-        log(f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
-            f"(fp16, {len(drafter.config.target_layer_ids)} layers)")
     validator = Validator(target, val_samples, cfg.val_anchors) if val_samples else None
     trainer = Trainer(target, drafter, samples, out, cfg, dist=dist, feature_cache=cache,
                       save_dtype=SAVE_DTYPES[args.save_dtype], validator=validator)
+    if cache and dist.main:
+        tokens = sum(len(s["input_ids"]) for s in samples)
+        rows = len(drafter.config.target_layer_ids) + trainer.needs_target_probs  # + the final hidden state
+        per_token = 2 * target.hidden_size * rows
+        log(f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
+            f"(fp16, {len(drafter.config.target_layer_ids)} layers)")
     if args.resume:
         resumed = trainer.load_checkpoint()
         if dist.main:

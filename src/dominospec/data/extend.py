@@ -32,11 +32,9 @@ def add_part(dataset: str | Path, run_dir: str | Path, conversations=None, exist
                           "differs)")
     manifest = read_manifest(dataset) if is_dataset(dataset) else {"format": FORMAT, "parts": [],
                                                                      **{k: meta.get(k) for k in SHARED}}
-    diffs = [f"{k}: {manifest.get(k)!r} in {dataset}, {meta.get(k)!r} in {run_dir}" for k in SHARED
-             if manifest.get(k) != meta.get(k)]
+    diffs = _shared_differences(manifest, meta, f"in {dataset}", f"in {run_dir}")
     if diffs:
-        raise DominoError(f"cannot add {run_dir} to {dataset}: it was made by another target or tokenizer "
-                          f"({'; '.join(diffs)})")
+        raise DominoError(f"cannot add {run_dir} to {dataset}: it was made by another target or tokenizer ({diffs})")
     same = [p["name"] for p in manifest["parts"]
             if all(p["settings"].get(k) == meta.get(k) for k in PART_SETTINGS)]
     if same and exist_ok:
@@ -81,9 +79,14 @@ def check_extendable(dataset: str | Path, target) -> None:
         if dataset.exists() and any(p.name != ".lock" for p in dataset.iterdir()):
             raise DominoError(f"--extend {dataset} is not empty and holds no {MANIFEST}; refusing to add parts there")
         return
-    manifest = read_manifest(dataset)
     mine = {"target": target.name, "vocab_size": target.vocab_size, "tokenizer_sha256": target.tokenizer_fingerprint,
             "chat_template_sha256": target.chat_template_fingerprint, "eos_ids": list(target.eos_ids)}
-    diffs = [f"{k}: {manifest.get(k)!r} there, {v!r} now" for k, v in mine.items() if manifest.get(k) != v]
+    diffs = _shared_differences(read_manifest(dataset), mine, "there", "now")
     if diffs:
-        raise DominoError(f"--extend {dataset} was made by another target or tokenizer ({'; '.join(diffs)})")
+        raise DominoError(f"--extend {dataset} was made by another target or tokenizer ({diffs})")
+
+
+def _shared_differences(manifest: dict, other: dict, there: str, here: str) -> str:
+    """The fields every part of a data set shares (SHARED) where `other` differs, one clause each; "" if none."""
+    return "; ".join(f"{k}: {manifest.get(k)!r} {there}, {other.get(k)!r} {here}" for k in SHARED
+                     if manifest.get(k) != other.get(k))
