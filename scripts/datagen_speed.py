@@ -1,7 +1,13 @@
 """Generated tokens/s of batched on-policy regeneration: transformers generate vs the native sampler."""
-import sys, time, torch
+
+import sys
+import time
+
+import torch
+
 from dominospec import Target
 from dominospec.data.builtin import builtin_prompts
+
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 convs = builtin_prompts(16, seed=5)
 for backend in ("hf", "native", "hf", "native"):
@@ -11,4 +17,4 @@ for backend in ("hf", "native", "hf", "native"):
     out = t.sample_batch(prompts, 128, temperature=0.7, top_p=0.8, seed=1)
     dt = time.perf_counter() - t0
     n = sum(len(a) for a in out)
-    print(f"{backend}: {len(prompts)} prompts, {n} tokens in {dt:.1f}s = {n/dt:.1f} generated tok/s", flush=True)
+    print(f"{backend}: {len(prompts)} prompts, {n} tokens in {dt:.1f}s = {n / dt:.1f} generated tok/s", flush=True)

@@ -6,8 +6,15 @@ import torch
 from dominospec import Drafter, DrafterConfig, Target
 
 
-def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: int = 0,
-                dtype=torch.float64, tied: bool = False, backend: str = "hf") -> Target:
+def tiny_target(
+    family: str = "llama",
+    vocab: int = 64,
+    layers: int = 4,
+    seed: int = 0,
+    dtype=torch.float64,
+    tied: bool = False,
+    backend: str = "hf",
+) -> Target:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -16,9 +23,19 @@ def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: i
     )
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                  eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        eos_token_id=vocab - 1,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=tied))
     elif family == "qwen3":
@@ -32,14 +49,29 @@ def tiny_target(family: str = "llama", vocab: int = 64, layers: int = 4, seed: i
     return Target(model, tokenizer=None, name=f"tiny-{family}", backend=backend)
 
 
-def tiny_drafter(target: Target, head: str = "domino", block_size: int = 4, seed: int = 1,
-                 confidence: bool = False, mask_token_id=None, randomize_head: bool = True,
-                 draft_vocab: int = 0) -> Drafter:
+def tiny_drafter(
+    target: Target,
+    head: str = "domino",
+    block_size: int = 4,
+    seed: int = 1,
+    confidence: bool = False,
+    mask_token_id=None,
+    randomize_head: bool = True,
+    draft_vocab: int = 0,
+) -> Drafter:
     torch.manual_seed(seed)
-    cfg = DrafterConfig.for_target(target, head=head, block_size=block_size, num_layers=2,
-                                   intermediate_size=48, gru_hidden_size=16, rank=8,
-                                   confidence_head=confidence, mask_token_id=mask_token_id,
-                                   draft_vocab_size=draft_vocab)
+    cfg = DrafterConfig.for_target(
+        target,
+        head=head,
+        block_size=block_size,
+        num_layers=2,
+        intermediate_size=48,
+        gru_hidden_size=16,
+        rank=8,
+        confidence_head=confidence,
+        mask_token_id=mask_token_id,
+        draft_vocab_size=draft_vocab,
+    )
     d = Drafter(cfg)
     if draft_vocab:  # a scattered subset, so index and id differ
         d.draft_vocab.copy_(torch.randperm(target.vocab_size)[:draft_vocab].sort().values)

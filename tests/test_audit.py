@@ -27,6 +27,7 @@ def features_of(target, ids, layer_ids):
 
 # ----- 1. a block never sees target states at or after its anchor -----
 
+
 def test_many_overlapping_blocks_equal_cached_inference_and_ignore_states_from_their_anchor_on(qwen3_target):
     """forward_blocks with a block at every position equals one cached backbone_block per anchor,
     and perturbing the feature row at p changes exactly the blocks anchored after p."""
@@ -41,7 +42,7 @@ def test_many_overlapping_blocks_equal_cached_inference_and_ignore_states_from_t
         for a in anchors.tolist():
             cache = d.new_cache()
             d.extend_cache(cache, feats[:, :a])
-            assert torch.allclose(d.backbone_block(cache, ids[a:a + 1])[0], z[a], atol=1e-10), a
+            assert torch.allclose(d.backbone_block(cache, ids[a : a + 1])[0], z[a], atol=1e-10), a
         for p in (0, 5, 11, 18):
             bent = feats.clone()
             bent[:, p] = torch.randn_like(bent[:, p]) * 3
@@ -76,12 +77,13 @@ def test_tokens_from_a_slots_label_on_never_reach_it(qwen3_target):
         changed[p] = (seq[p] + 1) % target.vocab_size
         got = final(changed)
         k = p - a - 1
-        assert float((got[:k + 1] - ref[:k + 1]).abs().max()) < 1e-12, f"slot <= {k} saw x_{p}"
+        assert float((got[: k + 1] - ref[: k + 1]).abs().max()) < 1e-12, f"slot <= {k} saw x_{p}"
         if k + 1 < B:
             assert float((got[k + 1] - ref[k + 1]).abs().max()) > 1e-6, f"slot {k + 1} ignores x_{p}"
 
 
 # ----- 2. labels and positions -----
+
 
 def test_rope_positions_are_absolute_positions(qwen3_target, monkeypatch):
     """Context rows rotate at 0..S-1, a block anchored at a at a..a+B-1, in training and in decoding."""
@@ -131,6 +133,7 @@ def test_training_step_labels_slot_k_with_the_token_at_anchor_plus_1_plus_k(qwen
 
 # ----- 3. the drafter's base logits are the target's own LM head -----
 
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("draft_vocab", [0, 40], ids=["full-vocab", "draft-vocab"])
 def test_base_logits_use_the_targets_lm_head(tied, draft_vocab):
@@ -156,11 +159,14 @@ def test_base_logits_use_the_targets_lm_head(tied, draft_vocab):
 
 # ----- 4. feature layers: decoder-layer outputs, the same in training and in decoding -----
 
+
 def decoder_layer_outputs(model, ids):
     """{j: output of decoder layer j [S, H]} captured by hooks on the layer modules (no hidden_states indexing)."""
     captured = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o, j=j: captured.__setitem__(j, o[0] if isinstance(o, tuple) else o))
-             for j, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o, j=j: captured.__setitem__(j, o[0] if isinstance(o, tuple) else o))
+        for j, layer in enumerate(model.model.layers)
+    ]
     with torch.no_grad():
         model(input_ids=torch.tensor([ids]), use_cache=False)
     for h in hooks:
@@ -181,17 +187,21 @@ def test_feature_layers_are_decoder_layer_outputs_in_training_and_decoding(backe
     want = torch.cat([ref[j] for j in layers], dim=-1)  # [S, n*H]
     # decoding pass: prefill, a verify-sized chunk and single steps through the cache
     cache = target.new_cache()
-    parts = [target.forward(torch.tensor([seq[lo:hi]]), cache, layer_ids=layers).features[0]
-             for lo, hi in ((0, 6), (6, 11), (11, 12), (12, 15))]
+    parts = [
+        target.forward(torch.tensor([seq[lo:hi]]), cache, layer_ids=layers).features[0]
+        for lo, hi in ((0, 6), (6, 11), (11, 12), (12, 15))
+    ]
     assert torch.allclose(torch.cat(parts), want, atol=1e-9)
     # training pass: right-padded batch (the trainer's and the validator's layout)
     got = target.sequence_features([short, seq], layers)[0]
     assert torch.allclose(got[1], want, atol=1e-9)
-    assert torch.allclose(got[0], torch.cat([decoder_layer_outputs(target.model, short)[j] for j in layers], -1),
-                          atol=1e-9)
+    assert torch.allclose(
+        got[0], torch.cat([decoder_layer_outputs(target.model, short)[j] for j in layers], -1), atol=1e-9
+    )
 
 
 # ----- 5. EOS / end of turn is supervised -----
+
 
 def test_sampled_answers_keep_their_end_of_turn_token(monkeypatch):
     """Every id the target lists as an end (generation config, model config) cuts an answer, and is kept."""
@@ -209,6 +219,7 @@ def test_sampled_answers_keep_their_end_of_turn_token(monkeypatch):
 
 class ScriptedTarget:
     """Answers each turn with fixed tokens ending in EOS (63)."""
+
     eos_ids = (63,)
     max_positions = None  # no context limit: nothing is cut
 
@@ -221,12 +232,20 @@ class ScriptedTarget:
 
 def test_end_of_turn_is_supervised_and_gets_a_block_label():
     # render: BOS, then per user turn [user, text, assistant-start], per answer its ids (from the text)
-    codec = ChatCodec(encode=lambda msgs: [1] + [t for m in msgs for t in ([2, 10, 3] if m["role"] == "user"
-                                                                          else map(int, m["content"].split()))],
-                      decode=lambda ids: " ".join(map(str, ids)))
+    codec = ChatCodec(
+        encode=lambda msgs: (
+            [1] + [t for m in msgs for t in ([2, 10, 3] if m["role"] == "user" else map(int, m["content"].split()))]
+        ),
+        decode=lambda ids: " ".join(map(str, ids)),
+    )
     target = ScriptedTarget([[20, 21, 22, 63], [30, 31, 63]])
-    samples, _ = regenerate_batch(target, codec, [Conversation(("q1", "q2"), "c:0")], 0,
-                                  PrepareConfig(max_new_tokens=8, batch_size=1, shard_size=1))
+    samples, _ = regenerate_batch(
+        target,
+        codec,
+        [Conversation(("q1", "q2"), "c:0")],
+        0,
+        PrepareConfig(max_new_tokens=8, batch_size=1, shard_size=1),
+    )
     [s] = samples  # the second render extends the first: one sample with both answers
     ids, mask = torch.tensor(s["input_ids"]), torch.tensor(s["loss_mask"])
     eos_at = [i for i, t in enumerate(s["input_ids"]) if t == 63]
@@ -240,6 +259,7 @@ def test_end_of_turn_is_supervised_and_gets_a_block_label():
 
 # ----- 6. replay: the training path reproduces a live greedy run cycle by cycle -----
 
+
 def make_the_head_read_its_tokens(drafter, seed=7):
     """A fresh head's recurrent state barely moves its logits; scale its weights so that reading a
     wrong token (or the right one at the wrong slot) changes the drafts."""
@@ -249,6 +269,7 @@ def make_the_head_read_its_tokens(drafter, seed=7):
             if not name.startswith("w2"):  # w2 is already randomized by tiny_drafter
                 gain = 10.0 if name.split(".")[0] in ("gru_ih", "w1") else 2.0  # token inputs are small
                 p.normal_(std=gain / p.shape[-1] ** 0.5)
+
 
 @pytest.mark.parametrize("head,draft_vocab", [("domino", 0), ("domino", 40), ("rnn", 0), ("none", 0)])
 def test_teacher_forced_replay_equals_live_greedy_acceptance(head, draft_vocab, qwen3_target, monkeypatch):
@@ -286,7 +307,7 @@ def test_teacher_forced_replay_equals_live_greedy_acceptance(head, draft_vocab, 
             hit, _ = greedy_hits(d, tf)
             assert accepted_lengths(hit).tolist() == seen
             # the live drafts as the "true" tokens after each anchor: every slot must propose them
-            own = [seq[:anchors[i] + 1] + drafts[i] for i in range(res.cycles)]
+            own = [seq[: anchors[i] + 1] + drafts[i] for i in range(res.cycles)]
             own_feats = target.sequence_features(own, layers)[0]
             for i, (s, f) in enumerate(zip(own, own_feats)):
                 tf = teacher_forced_blocks(d, f, torch.tensor(s), torch.ones(len(s)), torch.tensor([anchors[i]]))

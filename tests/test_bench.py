@@ -8,24 +8,50 @@ from conftest import tiny_drafter
 
 from dominospec import SamplingConfig
 from dominospec.bench import report, runner
-from dominospec.bench.metrics import (PromptRun, conditional_acceptance, first_difference, position_counts, summarize,
-                                      time_split, tokens_per_second, unconditional_acceptance)
+from dominospec.bench.metrics import (
+    PromptRun,
+    conditional_acceptance,
+    first_difference,
+    position_counts,
+    summarize,
+    time_split,
+    tokens_per_second,
+    unconditional_acceptance,
+)
 from dominospec.cli import bench as bench_cli
 from dominospec.data.prompts import read_first_turns
 from dominospec.decode.cost import profile_verify_cost
 from dominospec.decode.result import tokens_per_cycle as tau
 from dominospec.errors import DominoError
 
-METRIC_KEYS = {"tokens_per_s", "speedup", "tau", "accept_conditional", "accept_unconditional",
-               "lossless_mismatches", "num_prompts", "new_tokens"}
+METRIC_KEYS = {
+    "tokens_per_s",
+    "speedup",
+    "tau",
+    "accept_conditional",
+    "accept_unconditional",
+    "lossless_mismatches",
+    "num_prompts",
+    "new_tokens",
+}
 
 
 def run(method="m", tokens=(1, 2, 3), total_s=1.0, accepted=(), committed=(), block=0, dataset="d", idx=0, **kw):
-    return PromptRun(method, dataset, idx, list(tokens), total_s, accepted=list(accepted),
-                     committed=list(committed), block_size=block, **kw)
+    return PromptRun(
+        method,
+        dataset,
+        idx,
+        list(tokens),
+        total_s,
+        accepted=list(accepted),
+        committed=list(committed),
+        block_size=block,
+        **kw,
+    )
 
 
 # ----- acceptance by position -----
+
 
 def test_conditional_acceptance_only_counts_cycles_that_reached_the_position():
     accepted = [0, 2, 4, 1]  # block 4
@@ -54,6 +80,7 @@ def test_positions_never_reached_are_undefined_not_zero():
 
 # ----- tau -----
 
+
 def test_tau_counts_the_bonus_token():
     # accepted 3 drafts + bonus, then 0 + bonus: tau = (4 + 1) / 2
     r = run(tokens=range(6), accepted=[3, 0], committed=[4, 1], block=4)
@@ -64,7 +91,7 @@ def test_tau_uses_committed_tokens_when_eos_cuts_a_block():
     # second cycle: the target accepted all 3 drafts, but the 2nd committed token was EOS
     r = run(tokens=range(5), accepted=[1, 3], committed=[2, 2], block=4)
     s = summarize([r])
-    assert s["tau"] == pytest.approx(2.0)                                 # not (2 + 4) / 2
+    assert s["tau"] == pytest.approx(2.0)  # not (2 + 4) / 2
     assert s["accept_unconditional"] == pytest.approx([1.0, 0.5, 0.5, 0.0])  # verification outcome, uncut
     assert s["accept_conditional"] == pytest.approx([1.0, 0.5, 1.0, 0.0])
 
@@ -77,6 +104,7 @@ def test_methods_without_cycles_have_tau_one_and_no_positions():
 
 # ----- speed -----
 
+
 def test_tokens_per_s_is_aggregate_not_mean_of_rates():
     runs = [run(tokens=range(10), total_s=1.0), run(tokens=range(10), total_s=4.0, idx=1)]
     assert tokens_per_second([10, 10], [1.0, 4.0]) == pytest.approx(4.0)  # mean of rates would be 6.25
@@ -87,8 +115,16 @@ def test_tokens_per_s_is_aggregate_not_mean_of_rates():
 
 
 def test_time_split_leaves_the_rest_to_host_overhead():
-    r = run(tokens=range(8), total_s=1.0, prefill_s=0.1, draft_s=0.2, verify_s=0.5,
-            accepted=[1, 1, 1, 1], committed=[2, 2, 2, 1], block=2)
+    r = run(
+        tokens=range(8),
+        total_s=1.0,
+        prefill_s=0.1,
+        draft_s=0.2,
+        verify_s=0.5,
+        accepted=[1, 1, 1, 1],
+        committed=[2, 2, 2, 1],
+        block=2,
+    )
     t = time_split([r])
     assert t["cycles"] == 4
     assert (t["draft_ms_per_cycle"], t["verify_ms_per_cycle"], t["host_ms_per_cycle"]) == pytest.approx((50, 125, 50))
@@ -97,6 +133,7 @@ def test_time_split_leaves_the_rest_to_host_overhead():
 
 # ----- losslessness -----
 
+
 def test_first_difference_counts_length_differences():
     assert first_difference([1, 2, 3], [1, 2, 3]) is None
     assert first_difference([1, 2, 3], [1, 9, 3]) == 1
@@ -104,13 +141,18 @@ def test_first_difference_counts_length_differences():
 
 
 def test_mismatches_are_counted_against_the_reference_per_prompt():
-    runs = [run("ar", [1, 2, 3], dataset="x", idx=0), run("ar", [4, 5], dataset="y", idx=0),
-            run("spec", [1, 2, 3], dataset="x", idx=0), run("spec", [4, 6], dataset="y", idx=0)]
+    runs = [
+        run("ar", [1, 2, 3], dataset="x", idx=0),
+        run("ar", [4, 5], dataset="y", idx=0),
+        run("spec", [1, 2, 3], dataset="x", idx=0),
+        run("spec", [4, 6], dataset="y", idx=0),
+    ]
     out = runner.summarize_benchmark(runs, ["ar", "spec"], ["x", "y"], compare_outputs=True)
     assert out["methods"]["ar"]["lossless_mismatches"] == 0
     assert out["methods"]["spec"]["lossless_mismatches"] == 1
     assert out["methods"]["spec"]["mismatched_prompts"] == [
-        {"method": "spec", "dataset": "y", "prompt_index": 0, "first_diff": 1}]
+        {"method": "spec", "dataset": "y", "prompt_index": 0, "first_diff": 1}
+    ]
     assert out["per_dataset"]["x"]["spec"]["lossless_mismatches"] == 0
     assert out["per_dataset"]["y"]["spec"]["lossless_mismatches"] == 1
     sampled = runner.summarize_benchmark(runs, ["ar", "spec"], ["x", "y"], compare_outputs=False)
@@ -123,8 +165,10 @@ DATASETS = {"alpha": [[1, 2, 3], [5, 9, 11, 2, 7, 8]], "beta": [[4, 4, 4, 4, 8, 
 
 
 def test_bench_end_to_end_layout_and_lossless_greedy(tmp_path, llama_target):
-    drafters = [("tiny-domino", tiny_drafter(llama_target, head="domino", block_size=4)),
-                ("tiny-none", tiny_drafter(llama_target, head="none", block_size=3))]
+    drafters = [
+        ("tiny-domino", tiny_drafter(llama_target, head="domino", block_size=4)),
+        ("tiny-none", tiny_drafter(llama_target, head="none", block_size=3)),
+    ]
     methods, notes = runner.build_methods(("ar", "hf", "pld", "drafters", "ablation"), drafters)
     names = [m.name for m in methods]
     assert names == ["ar", "hf", "pld", "domino-2L-b4", "domino-2L-b4-nohead", "none-2L-b3"]
@@ -160,8 +204,16 @@ def test_methods_are_interleaved_per_prompt(llama_target):
 
 def test_sampling_bench_compares_no_outputs(tmp_path, llama_target):
     methods, _ = runner.build_methods(["ar", "drafters"], [("d", tiny_drafter(llama_target, block_size=4))])
-    res = runner.benchmark(llama_target, {"alpha": DATASETS["alpha"]}, methods, tmp_path, max_new_tokens=8,
-                          sampling=SamplingConfig(temperature=0.8), progress=False, plots=False)
+    res = runner.benchmark(
+        llama_target,
+        {"alpha": DATASETS["alpha"]},
+        methods,
+        tmp_path,
+        max_new_tokens=8,
+        sampling=SamplingConfig(temperature=0.8),
+        progress=False,
+        plots=False,
+    )
     assert all(m["lossless_mismatches"] is None for m in res["methods"].values())
     assert any("not compared" in n for n in res["config"]["notes"])
 
@@ -189,10 +241,12 @@ def test_bench_parser_defaults():
 
 def test_prompt_files_give_the_first_user_turn(tmp_path):
     path = tmp_path / "mixed.jsonl"
-    rows = [{"turns": ["first", "second"]},
-            {"conversations": [{"from": "human", "value": "share"}, {"from": "gpt", "value": "x"}]},
-            {"messages": [{"role": "user", "content": "msg"}, {"role": "assistant", "content": "y"}]},
-            {"prompt": "plain"}]
+    rows = [
+        {"turns": ["first", "second"]},
+        {"conversations": [{"from": "human", "value": "share"}, {"from": "gpt", "value": "x"}]},
+        {"messages": [{"role": "user", "content": "msg"}, {"role": "assistant", "content": "y"}]},
+        {"prompt": "plain"},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert read_first_turns(path) == ["first", "share", "msg", "plain"]
     with pytest.raises(DominoError, match="no such file"):
@@ -200,6 +254,7 @@ def test_prompt_files_give_the_first_user_turn(tmp_path):
 
 
 # ----- verify cost profile -----
+
 
 def test_verify_cost_profile_layout(tmp_path, llama_target):
     table = profile_verify_cost(llama_target, context=16, max_k=4, repeats=2, progress=False)
@@ -217,6 +272,7 @@ def test_verify_cost_profile_layout(tmp_path, llama_target):
 
 # ----- the text + CLI layer on the bundled target -----
 
+
 @pytest.mark.integration
 def test_cli_bench_and_profile_on_the_bundled_target(tmp_path, capsys):
     from dominospec import cli
@@ -224,9 +280,32 @@ def test_cli_bench_and_profile_on_the_bundled_target(tmp_path, capsys):
     prompts = tmp_path / "tiny-set.jsonl"
     prompts.write_text(json.dumps({"turns": ["What is 2 + 3?"]}) + "\n" + json.dumps({"prompt": "Say hi."}) + "\n")
     out = tmp_path / "out"
-    assert cli.main(["bench", "--prompts", str(prompts), "--methods", "ar,hf", "--limit", "1",
-                     "--max-new-tokens", "4", "--no-plots", "--profile", "--context", "8", "--max-k", "2",
-                     "--repeats", "1", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--methods",
+                "ar,hf",
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--no-plots",
+                "--profile",
+                "--context",
+                "8",
+                "--max-k",
+                "2",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| ar |" in printed and "| 2 |" in printed
     res = json.loads((out / "results.json").read_text())
@@ -242,7 +321,8 @@ def test_near_tie_check_accepts_the_target_and_catches_a_real_divergence(llama_t
     prompt = [3, 1, 4, 1, 5]
     tokens = generate_autoregressive(llama_target, prompt, 10, eos_ids=[]).tokens
     assert runner.not_near_tie(llama_target, prompt, tokens) == 0
-    logits = llama_target.forward(__import__("torch").tensor([prompt + tokens[:4]]),
-                                  llama_target.new_cache(), with_features=False).logits[0, -1]
+    logits = llama_target.forward(
+        __import__("torch").tensor([prompt + tokens[:4]]), llama_target.new_cache(), with_features=False
+    ).logits[0, -1]
     worst = int(logits.argmin())  # far below the argmax: no rounding explains choosing it
     assert runner.not_near_tie(llama_target, prompt, tokens[:4] + [worst] + tokens[5:]) >= 1

@@ -60,59 +60,152 @@ def test_records_need_a_confidence_head_and_prompts(llama_target):
         collect_records(llama_target, tiny_drafter(llama_target, block_size=3), [[1, 2, 3]])
     with pytest.raises(DominoError, match="no prompts"):
         collect_records(llama_target, tiny_drafter(llama_target, block_size=3, confidence=True), [])
-    records = collect_records(llama_target, tiny_drafter(llama_target, block_size=3, confidence=True),
-                              [[1, 2, 3], [5, 9, 11]], max_new_tokens=12, progress=False)
+    records = collect_records(
+        llama_target,
+        tiny_drafter(llama_target, block_size=3, confidence=True),
+        [[1, 2, 3], [5, 9, 11]],
+        max_new_tokens=12,
+        progress=False,
+    )
     assert records.logits.shape[1] == 3 and len(records) >= 4
     assert ((records.accepted >= 0) & (records.accepted <= 3)).all()
 
 
 def test_cli_calibrate_then_generate_with_scheduled_verification(char_model, tmp_path, capsys):  # noqa: F811
     drafter = tmp_path / "drafter"
-    rc, err = run_cli(capsys, "init", "--target", char_model, "--out", drafter, "--layers", "1", "--block-size", "3",
-                      "--rank", "4", "--gru-hidden-size", "8", "--intermediate-size", "16", "--confidence-head")
+    rc, err = run_cli(
+        capsys,
+        "init",
+        "--target",
+        char_model,
+        "--out",
+        drafter,
+        "--layers",
+        "1",
+        "--block-size",
+        "3",
+        "--rank",
+        "4",
+        "--gru-hidden-size",
+        "8",
+        "--intermediate-size",
+        "16",
+        "--confidence-head",
+    )
     assert rc == 0, err
     prompts = write_prompts(tmp_path / "held-out.jsonl", ["hi there", "why not?", "a b c", "ok then"])
-    rc, err = run_cli(capsys, "calibrate", "--target", char_model, "--drafter", drafter, "--prompts", prompts,
-                      "--max-new-tokens", "16")
+    rc, err = run_cli(
+        capsys,
+        "calibrate",
+        "--target",
+        char_model,
+        "--drafter",
+        drafter,
+        "--prompts",
+        prompts,
+        "--max-new-tokens",
+        "16",
+    )
     assert rc == 0, err
     cal = json.loads((drafter / "calibration.json").read_text())
     assert len(cal["temperatures"]) == 3 and all(t > 0 for t in cal["temperatures"])
     for key in ("ece_before", "ece_after", "auroc_before", "auroc_after", "samples", "reliability_after"):
         assert len(cal[key]) == 3, key
-    assert cal["prompts"] == 4 and len(cal["prompts_fingerprint"]) == 64 and cal["measured_by"] == "dominospec calibrate"
+    assert (
+        cal["prompts"] == 4 and len(cal["prompts_fingerprint"]) == 64 and cal["measured_by"] == "dominospec calibrate"
+    )
     assert all(a <= b + 1e-12 for a, b in zip(cal["ece_after"], cal["ece_before"]) if a is not None)
     pytest.importorskip("matplotlib")
     assert (drafter / "calibration.png").stat().st_size > 0
 
     # generate reads the temperatures (no fallback note), for static and cost alike
-    rc, out, err = run_cli_json(capsys, "generate", "hi", "--target", char_model, "--drafter", drafter,
-                                "--verify", "static", "--confidence-threshold", "0.3", "--max-new-tokens", "8",
-                                "--json")
+    rc, out, err = run_cli_json(
+        capsys,
+        "generate",
+        "hi",
+        "--target",
+        char_model,
+        "--drafter",
+        drafter,
+        "--verify",
+        "static",
+        "--confidence-threshold",
+        "0.3",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    )
     assert rc == 0 and "raw confidences" not in err, err
     assert out["new_tokens"] == 8 and out["verified_per_cycle"] is not None
-    rc, plain, _ = run_cli_json(capsys, "generate", "hi", "--target", char_model, "--no-draft", "--max-new-tokens",
-                                "8", "--json")
+    rc, plain, _ = run_cli_json(
+        capsys, "generate", "hi", "--target", char_model, "--no-draft", "--max-new-tokens", "8", "--json"
+    )
     assert plain["text"] == out["text"]
-    rc, out, err = run_cli_json(capsys, "generate", "hi", "--target", char_model, "--drafter", "lookup",
-                                "--max-new-tokens", "8", "--json")
+    rc, out, err = run_cli_json(
+        capsys, "generate", "hi", "--target", char_model, "--drafter", "lookup", "--max-new-tokens", "8", "--json"
+    )
     assert rc == 0 and out["text"] == plain["text"] and "lookup_cycles" in out
 
     # bench: each verify mode, lookup and hybrid side by side, all lossless
-    rc, err = run_cli(capsys, "bench", "--target", char_model, "--prompts", prompts, "--drafter", drafter, "--methods",
-                      "ar,drafters,lookup,hybrid", "--verify", "fixed,static", "--max-new-tokens", "6", "--no-plots",
-                      "--no-warmup", "--out", tmp_path / "bench")
+    rc, err = run_cli(
+        capsys,
+        "bench",
+        "--target",
+        char_model,
+        "--prompts",
+        prompts,
+        "--drafter",
+        drafter,
+        "--methods",
+        "ar,drafters,lookup,hybrid",
+        "--verify",
+        "fixed,static",
+        "--max-new-tokens",
+        "6",
+        "--no-plots",
+        "--no-warmup",
+        "--out",
+        tmp_path / "bench",
+    )
     assert rc == 0, err
     res = json.loads((tmp_path / "bench" / "results.json").read_text())
-    assert list(res["methods"]) == ["ar", "lookup-b8", "lookup-b8-static", "domino-1L-b3", "domino-1L-b3-static",
-                                    "hybrid-domino-1L-b3", "hybrid-domino-1L-b3-static"]
+    assert list(res["methods"]) == [
+        "ar",
+        "lookup-b8",
+        "lookup-b8-static",
+        "domino-1L-b3",
+        "domino-1L-b3-static",
+        "hybrid-domino-1L-b3",
+        "hybrid-domino-1L-b3-static",
+    ]
     assert all(m["lossless_mismatches"] == 0 for m in res["methods"].values())
 
 
 def test_cli_calibrate_and_scheduled_generate_refuse_bad_inputs(char_model, tmp_path, capsys):  # noqa: F811
     drafter, confident = tmp_path / "no-confidence", tmp_path / "confidence"
     for d, extra in ((drafter, ()), (confident, ("--confidence-head",))):
-        assert run_cli(capsys, "init", "--target", char_model, "--out", d, "--layers", "1", "--block-size", "2",
-                       "--rank", "4", "--gru-hidden-size", "8", "--intermediate-size", "16", *extra)[0] == 0
+        assert (
+            run_cli(
+                capsys,
+                "init",
+                "--target",
+                char_model,
+                "--out",
+                d,
+                "--layers",
+                "1",
+                "--block-size",
+                "2",
+                "--rank",
+                "4",
+                "--gru-hidden-size",
+                "8",
+                "--intermediate-size",
+                "16",
+                *extra,
+            )[0]
+            == 0
+        )
     prompts = write_prompts(tmp_path / "p.jsonl", ["hi"])
     rc, err = run_cli(capsys, "calibrate", "--target", char_model, "--drafter", drafter, "--prompts", prompts)
     assert rc == 2 and "no confidence head" in err
@@ -120,11 +213,13 @@ def test_cli_calibrate_and_scheduled_generate_refuse_bad_inputs(char_model, tmp_
     empty.write_text("\n")
     rc, err = run_cli(capsys, "calibrate", "--target", char_model, "--drafter", confident, "--prompts", empty)
     assert rc == 2 and "no usable prompts" in err and not (confident / "calibration.json").exists()
-    rc, err = run_cli(capsys, "calibrate", "--target", char_model, "--drafter", tmp_path / "missing", "--prompts",
-                      prompts)
+    rc, err = run_cli(
+        capsys, "calibrate", "--target", char_model, "--drafter", tmp_path / "missing", "--prompts", prompts
+    )
     assert rc == 2 and "not a directory" in err
     rc, err = run_cli(capsys, "generate", "hi", "--target", char_model, "--drafter", drafter, "--verify", "cost")
     assert rc == 2 and "confidence head" in err
-    rc, err = run_cli(capsys, "generate", "hi", "--target", char_model, "--drafter", drafter,
-                      "--confidence-threshold", "1.5")
+    rc, err = run_cli(
+        capsys, "generate", "hi", "--target", char_model, "--drafter", drafter, "--confidence-threshold", "1.5"
+    )
     assert rc == 2 and "--confidence-threshold" in err

@@ -10,8 +10,10 @@ from dominospec import DominoError, Drafter, DrafterConfig, generate_speculative
 from dominospec.target import default_layer_ids
 
 
-@pytest.mark.parametrize("head,confidence,mask_id", [("domino", True, None), ("markov", False, 5),
-                                                     ("rnn", False, None), ("none", True, None)])
+@pytest.mark.parametrize(
+    "head,confidence,mask_id",
+    [("domino", True, None), ("markov", False, 5), ("rnn", False, None), ("none", True, None)],
+)
 def test_save_load_round_trip(tmp_path, qwen3_target, head, confidence, mask_id):
     drafter = tiny_drafter(qwen3_target, head=head, confidence=confidence, mask_token_id=mask_id)
     drafter.save_pretrained(tmp_path)
@@ -30,8 +32,11 @@ def test_checkpoint_holds_no_target_tables(tmp_path, qwen3_target):
 
     tiny_drafter(qwen3_target).save_pretrained(tmp_path)
     names = load_file(str(tmp_path / "model.safetensors")).keys()
-    vocab_by_hidden = [n for n, t in load_file(str(tmp_path / "model.safetensors")).items()
-                       if tuple(t.shape) == (qwen3_target.vocab_size, qwen3_target.hidden_size)]
+    vocab_by_hidden = [
+        n
+        for n, t in load_file(str(tmp_path / "model.safetensors")).items()
+        if tuple(t.shape) == (qwen3_target.vocab_size, qwen3_target.hidden_size)
+    ]
     assert not vocab_by_hidden and not any("embed_tokens" in n or "lm_head" in n or n.startswith("_") for n in names)
 
 
@@ -105,8 +110,14 @@ def test_default_layer_ids_follow_the_published_rule():
 
 def test_invalid_config_values_are_named():
     with pytest.raises(DominoError, match="num_attention_heads 6 is not a multiple of num_key_value_heads 4"):
-        DrafterConfig(hidden_size=32, vocab_size=10, target_num_layers=4, target_layer_ids=[1],
-                      num_attention_heads=6, num_key_value_heads=4)
+        DrafterConfig(
+            hidden_size=32,
+            vocab_size=10,
+            target_num_layers=4,
+            target_layer_ids=[1],
+            num_attention_heads=6,
+            num_key_value_heads=4,
+        )
 
 
 def test_a_drafter_with_nan_weights_is_refused_naming_the_tensor(tmp_path, qwen3_target):
@@ -114,14 +125,20 @@ def test_a_drafter_with_nan_weights_is_refused_naming_the_tensor(tmp_path, qwen3
     with torch.no_grad():
         drafter.fc.weight[0, :3] = float("nan")
     drafter.save_pretrained(tmp_path)
-    with pytest.raises(DominoError, match=r"model.safetensors: tensor fc.weight holds 3 NaN/inf value\(s\); the "
-                                          r"drafter is damaged \(a diverged training run\?\)"):
+    with pytest.raises(
+        DominoError,
+        match=r"model.safetensors: tensor fc.weight holds 3 NaN/inf value\(s\); the "
+        r"drafter is damaged \(a diverged training run\?\)",
+    ):
         Drafter.from_pretrained(tmp_path, target=qwen3_target)
 
 
 def test_a_file_given_as_drafter_is_called_a_file(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(b"")
-    with pytest.raises(DominoError, match=rf"drafter {path} is a file; a drafter is a directory holding config.json "
-                                          "and model.safetensors"):
+    with pytest.raises(
+        DominoError,
+        match=rf"drafter {path} is a file; a drafter is a directory holding config.json "
+        "and model.safetensors",
+    ):
         Drafter.from_pretrained(path)

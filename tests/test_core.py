@@ -71,8 +71,9 @@ def test_label_shift_oracle_gets_full_tau_and_stops_inside_blocks(head, llama_ta
     target = llama_target
     prompt, b = PROMPTS[0], 4
     ref = generate_autoregressive(target, prompt, 41, eos_ids=[])
-    oracle = OracleDrafter(tiny_drafter(target, head=head, block_size=b, randomize_head=False),
-                           prompt + ref.tokens, target.vocab_size)
+    oracle = OracleDrafter(
+        tiny_drafter(target, head=head, block_size=b, randomize_head=False), prompt + ref.tokens, target.vocab_size
+    )
     spec = generate_speculative(target, oracle, prompt, 41, eos_ids=[])
     assert spec.tokens == ref.tokens
     assert spec.accepted == [b] * spec.cycles
@@ -105,6 +106,7 @@ def test_greedy_matches_with_eos_from_real_rejections(qwen3_target):
 
 # ----- sampling -----
 
+
 def test_rejection_step_preserves_first_token_distribution():
     """One acceptance step: the first committed token is distributed as the target row 0."""
     torch.manual_seed(0)
@@ -128,15 +130,22 @@ def _exact_target_distribution(target, prompt, steps, sampling):
     seqs = torch.tensor(list(itertools.product(range(v), repeat=steps)))  # [V^steps, steps]
     ids = torch.cat([torch.tensor(prompt).expand(seqs.shape[0], -1), seqs], dim=1)
     with torch.no_grad():
-        logits = target.model(input_ids=ids).logits[:, len(prompt) - 1:-1]  # [N, steps, V]
+        logits = target.model(input_ids=ids).logits[:, len(prompt) - 1 : -1]  # [N, steps, V]
     probs = warp_probs(logits, sampling)
     p = probs.gather(-1, seqs.unsqueeze(-1)).squeeze(-1).prod(-1)
     return {tuple(s): float(q) for s, q in zip(seqs.tolist(), p)}
 
 
-@pytest.mark.parametrize("sampling,draft_vocab", [(SamplingConfig(1.0), 0), (SamplingConfig(0.8, top_k=4), 0),
-                                                  (SamplingConfig(1.0, top_p=0.7), 0), (SamplingConfig(1.0), 5)],
-                         ids=["T1", "topk", "topp", "T1-subvocab"])
+@pytest.mark.parametrize(
+    "sampling,draft_vocab",
+    [
+        (SamplingConfig(1.0), 0),
+        (SamplingConfig(0.8, top_k=4), 0),
+        (SamplingConfig(1.0, top_p=0.7), 0),
+        (SamplingConfig(1.0), 5),
+    ],
+    ids=["T1", "topk", "topp", "T1-subvocab"],
+)
 def test_rejection_sampling_preserves_target_distribution(sampling, draft_vocab):
     """Speculative sampling commits 3-token continuations with exactly the target's probabilities.
 
@@ -183,6 +192,7 @@ def test_sampling_distribution_test_detects_a_wrong_acceptance_rule(monkeypatch)
 
 # ----- caches -----
 
+
 def test_draft_context_cache_matches_recomputation(qwen3_target):
     """Blocks drafted over an incrementally built context cache equal one uncached training forward."""
     target = qwen3_target
@@ -194,8 +204,8 @@ def test_draft_context_cache_matches_recomputation(qwen3_target):
     anchors_pos, z_cached = [], []
     with torch.inference_mode():
         for upto in (5, 6, 9, 14):  # grow the cache in uneven chunks
-            drafter.extend_cache(cache, feats[:, cache.length:upto])
-            z_cached.append(drafter.backbone_block(cache, ids[0, upto:upto + 1])[0])
+            drafter.extend_cache(cache, feats[:, cache.length : upto])
+            z_cached.append(drafter.backbone_block(cache, ids[0, upto : upto + 1])[0])
             anchors_pos.append(upto)
         pos = torch.tensor(anchors_pos)
         z_full = drafter.forward_blocks(feats, pos, ids[0, pos])

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import tiny_drafter
+
 from dominospec.decode import cost
 
 
@@ -40,11 +40,11 @@ def test_best_block_size_sees_a_cost_jump():
 def test_profile_and_auto_block_size_round_trip(llama_target, tmp_path, monkeypatch):
     monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path / "cache"))
     drafter = tiny_drafter(llama_target, block_size=4)
-    drafter.source_dir = tmp_path / "drafter"
-    drafter.source_dir.mkdir()
+    drafter.directory = tmp_path / "drafter"
+    drafter.directory.mkdir()
     b, note = cost.auto_block_size(llama_target, drafter)
     assert b == 4 and "acceptance.json" in note  # nothing measured yet: the drafter's own
-    (drafter.source_dir / "acceptance.json").write_text(json.dumps({"conditional": [0.9, 0.8, 0.7, 0.6]}))
+    (drafter.directory / "acceptance.json").write_text(json.dumps({"conditional": [0.9, 0.8, 0.7, 0.6]}))
     b, note = cost.auto_block_size(llama_target, drafter)
     assert b == 4 and "dominospec profile" in note
     table = cost.profile_device(llama_target, drafter, contexts=(16, 600), max_k=5, repeats=1, progress=False)

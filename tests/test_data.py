@@ -25,8 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ----- fixtures: a character-level chat "template" the tiny targets can run without a tokenizer -----
 
+
 class CharCodec:
     """ids: 0 BOS, 1 user, 2 assistant, 3 unused, 4.. characters, 63 end of turn (= the tiny target's EOS)."""
+
     ALPHABET = string.ascii_lowercase + string.digits + " .,?!:;'-()+*/=%$\nABCDE"
     ROLES = {"user": 1, "assistant": 2}
     EOS = 63
@@ -49,10 +51,15 @@ def target():
     return tiny_target("llama", vocab=64)
 
 
-CONVERSATIONS = [Conversation(("what is 2+2?",), "t:0"), Conversation(("hello", "tell me more"), "t:1"),
-                 Conversation(("sort a list",), "t:2"), Conversation(("a", "b", "c"), "t:3"),
-                 Conversation(("why?",), "t:4"), Conversation(("name three colours",), "t:5"),
-                 Conversation(("count to five", "now backwards"), "t:6")]
+CONVERSATIONS = [
+    Conversation(("what is 2+2?",), "t:0"),
+    Conversation(("hello", "tell me more"), "t:1"),
+    Conversation(("sort a list",), "t:2"),
+    Conversation(("a", "b", "c"), "t:3"),
+    Conversation(("why?",), "t:4"),
+    Conversation(("name three colours",), "t:5"),
+    Conversation(("count to five", "now backwards"), "t:6"),
+]
 CFG = PrepareConfig(max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3, batch_size=2, shard_size=2)
 
 
@@ -91,31 +98,62 @@ def by_conversation(samples):
 
 # ----- prompt files -----
 
+
 def write_lines(path, lines):
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
 def test_prompt_file_layouts_give_user_turns_in_order(tmp_path):
-    path = write_lines(tmp_path / "mixed.jsonl", [
-        json.dumps({"turns": ["one", "two"]}),
-        json.dumps({"conversations": [{"from": "system", "value": "be nice"}, {"from": "human", "value": "hi"},
-                                      {"from": "gpt", "value": "hello"}, {"from": "human", "value": "bye"}]}),
-        json.dumps({"conversations": [{"role": "user", "content": "role/content keys"}]}),
-        "",
-        json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]},
-                                 {"role": "assistant", "content": "ignored"}, {"role": "user", "content": "x"}]}),
-        json.dumps({"prompt": "just a prompt"}),
-    ])
+    path = write_lines(
+        tmp_path / "mixed.jsonl",
+        [
+            json.dumps({"turns": ["one", "two"]}),
+            json.dumps(
+                {
+                    "conversations": [
+                        {"from": "system", "value": "be nice"},
+                        {"from": "human", "value": "hi"},
+                        {"from": "gpt", "value": "hello"},
+                        {"from": "human", "value": "bye"},
+                    ]
+                }
+            ),
+            json.dumps({"conversations": [{"role": "user", "content": "role/content keys"}]}),
+            "",
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "text", "text": "parts"}]},
+                        {"role": "assistant", "content": "ignored"},
+                        {"role": "user", "content": "x"},
+                    ]
+                }
+            ),
+            json.dumps({"prompt": "just a prompt"}),
+        ],
+    )
     convs = read_prompt_file(path)
-    assert [c.turns for c in convs] == [("one", "two"), ("hi", "bye"), ("role/content keys",), ("parts", "x"),
-                                        ("just a prompt",)]
+    assert [c.turns for c in convs] == [
+        ("one", "two"),
+        ("hi", "bye"),
+        ("role/content keys",),
+        ("parts", "x"),
+        ("just a prompt",),
+    ]
     assert [c.id for c in convs] == ["mixed:1", "mixed:2", "mixed:3", "mixed:5", "mixed:6"]
 
 
-BAD_LINES = ['{"prompt": "fine"}', '{not json', '{"text": "unknown layout"}', '{"prompt": "   "}',
-             '{"turns": ["ok", ""]}', '{"conversations": [{"from": "gpt", "value": "no user"}]}', '[1, 2]',
-             '{"prompt": "also fine"}']
+BAD_LINES = [
+    '{"prompt": "fine"}',
+    "{not json",
+    '{"text": "unknown layout"}',
+    '{"prompt": "   "}',
+    '{"turns": ["ok", ""]}',
+    '{"conversations": [{"from": "gpt", "value": "no user"}]}',
+    "[1, 2]",
+    '{"prompt": "also fine"}',
+]
 
 
 def test_malformed_lines_are_reported_with_line_numbers_and_skipped(tmp_path):
@@ -162,6 +200,7 @@ def test_load_prompts_mixes_sources_with_unique_ids_and_limit(tmp_path):
 
 # ----- the built-in offline source -----
 
+
 def test_builtin_prompts_are_deterministic_and_prefix_stable():
     first = builtin_prompts(300, seed=0)
     assert first == builtin_prompts(300, seed=0)
@@ -172,11 +211,20 @@ def test_builtin_prompts_are_deterministic_and_prefix_stable():
 def test_builtin_prompts_are_identical_across_processes():
     """Protects resume: prompts must not embed anything process-specific (object addresses in
     stdlib signatures, hash order), or a restarted prepare-data refuses its own output."""
-    script = ("import hashlib, json; from dominospec.data.builtin import builtin_prompts; "
-              "print(hashlib.sha256(json.dumps([c.turns for c in builtin_prompts(3000)]).encode()).hexdigest())")
-    digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
-               for seed in (1, 2)}
+    script = (
+        "import hashlib, json; from dominospec.data.builtin import builtin_prompts; "
+        "print(hashlib.sha256(json.dumps([c.turns for c in builtin_prompts(3000)]).encode()).hexdigest())"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+        ).stdout.strip()
+        for seed in (1, 2)
+    }
     assert len(digests) == 1
 
 
@@ -201,21 +249,27 @@ def test_eval_prompt_files_are_held_out_from_builtin():
 
 # ----- token layout -----
 
+
 def test_sample_builder_merges_prefix_extensions_and_masks_only_answers():
     b = SampleBuilder("c:0")
     b.add_turn(0, [1, 2, 3], [7, 8, 9])
     b.add_turn(1, [1, 2, 3, 7, 8, 9, 4, 5], [6, 9])
     [sample] = b.samples()
-    assert sample == {"id": "c:0", "input_ids": [1, 2, 3, 7, 8, 9, 4, 5, 6, 9],
-                      "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]}
+    assert sample == {
+        "id": "c:0",
+        "input_ids": [1, 2, 3, 7, 8, 9, 4, 5, 6, 9],
+        "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1],
+    }
 
 
 def test_sample_builder_splits_where_the_history_is_re_rendered():
     b = SampleBuilder("c:0")
     b.add_turn(0, [1, 2], [7, 9])
     b.add_turn(1, [1, 2, 5, 9, 4], [6, 9])  # the template rewrote answer 0 as [5, 9]
-    assert b.samples() == [{"id": "c:0", "input_ids": [1, 2, 7, 9], "loss_mask": [0, 0, 1, 1]},
-                           {"id": "c:0/1", "input_ids": [1, 2, 5, 9, 4, 6, 9], "loss_mask": [0, 0, 0, 0, 0, 1, 1]}]
+    assert b.samples() == [
+        {"id": "c:0", "input_ids": [1, 2, 7, 9], "loss_mask": [0, 0, 1, 1]},
+        {"id": "c:0/1", "input_ids": [1, 2, 5, 9, 4, 6, 9], "loss_mask": [0, 0, 0, 0, 0, 1, 1]},
+    ]
     assert b.splits == 1
 
 
@@ -239,19 +293,24 @@ def char_level_target(template: str) -> Target:
     vocab.update({"<|im_start|>": len(vocab), "<|im_end|>": len(vocab) + 1})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
     tok.chat_template = template
     tiny = tiny_target("llama", vocab=len(vocab))  # EOS = the last id = <|im_end|>
     return Target(tiny.model, tok, name="char-level")
 
 
-SMOL_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SMOL_LIKE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Qwen3-like: the generation prompt gets an empty think block that re-rendered history turns lack.
-QWEN_LIKE = SMOL_LIKE.replace("assistant\n{% endif %}",
-                              "assistant\n{% if enable_thinking is defined and not enable_thinking %}"
-                              "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+QWEN_LIKE = SMOL_LIKE.replace(
+    "assistant\n{% endif %}",
+    "assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}",
+)
 
 
 @pytest.mark.parametrize("template", [SMOL_LIKE, QWEN_LIKE], ids=["prefix-stable", "rewrites-history"])
@@ -264,12 +323,15 @@ def test_loss_mask_on_a_real_chat_template(template):
     for conv in convs:
         check_on_policy_layout(groups[conv.id], conv, ChatCodec.for_target(t), t.eos_ids, cfg.max_new_tokens)
     if template is QWEN_LIKE:  # history turns lack the think block, so no turn extends the one before
-        answers = sum(sum(1 for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1]))
-                      for m in (s["loss_mask"] for s in groups["c:0"]))
+        answers = sum(
+            sum(1 for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1]))
+            for m in (s["loss_mask"] for s in groups["c:0"])
+        )
         assert len(groups["c:0"]) == answers and stats["splits"] >= answers - 1
 
 
 # ----- the run: resume exactly once -----
+
 
 class Wrapped:
     """The target, with sample_batch open to overriding."""
@@ -305,7 +367,8 @@ def test_prepare_data_writes_meta_and_shards(target, tmp_path):
     assert meta["vocab_size"] == 64 and meta["eos_ids"] == [63] and meta["tokenizer_sha256"] == "char-codec"
     assert meta["temperature"] == 1.0 and meta["conversations_total"] == 7
     assert sorted(p.name for p in (tmp_path / "d").glob("samples-*.jsonl")) == [
-        f"samples-{k:05d}.jsonl" for k in range(4)]
+        f"samples-{k:05d}.jsonl" for k in range(4)
+    ]
     loaded_meta, samples = load_dataset_dir(tmp_path / "d", target)
     assert meta["counts"]["samples"] == len(samples)
     assert meta["counts"]["supervised_tokens"] == sum(sum(s["loss_mask"]) for s in samples)
@@ -316,8 +379,7 @@ def test_resume_after_a_crash_is_exactly_once_and_identical(target, tmp_path, cr
     codec = CharCodec().codec()
     prepare_data(target, CONVERSATIONS, tmp_path / "ref", CFG, codec=codec, progress=False)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        prepare_data(CrashAfter(target, crash_after), CONVERSATIONS, tmp_path / "run", CFG, codec=codec,
-                     progress=False)
+        prepare_data(CrashAfter(target, crash_after), CONVERSATIONS, tmp_path / "run", CFG, codec=codec, progress=False)
     (tmp_path / "run" / ".samples-00003.jsonl.tmp").write_text("half a line")  # as kill -9 mid-write leaves it
     prepare_data(target, CONVERSATIONS, tmp_path / "run", CFG, codec=codec, progress=False)
     assert shard_files(tmp_path / "run") == shard_files(tmp_path / "ref")
@@ -371,8 +433,9 @@ def test_resume_with_other_settings_is_refused_naming_the_field(target, tmp_path
     with pytest.raises(DominoError, match=r"temperature: 1\.0 there, 0\.5 now"):
         prepare_data(target, CONVERSATIONS, tmp_path / "d", other, codec=codec, progress=False)
     with pytest.raises(DominoError, match="prompts_sha256"):
-        prepare_data(target, CONVERSATIONS[:-1] + [Conversation(("x",), "t:6")], tmp_path / "d", CFG,
-                     codec=codec, progress=False)
+        prepare_data(
+            target, CONVERSATIONS[:-1] + [Conversation(("x",), "t:6")], tmp_path / "d", CFG, codec=codec, progress=False
+        )
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(DominoError, match="not empty"):
@@ -388,8 +451,9 @@ class EmptyFirstAnswer(Wrapped):
 
 
 def test_empty_answers_are_skipped_and_counted(target, tmp_path):
-    meta = prepare_data(EmptyFirstAnswer(target), CONVERSATIONS, tmp_path / "d", CFG,
-                        codec=CharCodec().codec(), progress=False)
+    meta = prepare_data(
+        EmptyFirstAnswer(target), CONVERSATIONS, tmp_path / "d", CFG, codec=CharCodec().codec(), progress=False
+    )
     assert meta["counts"]["empty_answers"] >= 4  # at least turn 0 of each of the 4 batches
     ids = {s["id"].split("/")[0] for s in load_dataset_dir(tmp_path / "d")[1]}
     assert not ids & {"t:0", "t:2", "t:4", "t:6"}
@@ -406,6 +470,7 @@ def test_shard_size_does_not_change_the_samples(target, tmp_path):
 
 
 # ----- loading back -----
+
 
 def make_dir(tmp_path, target):
     d = tmp_path / "d"
@@ -425,12 +490,15 @@ def test_load_refuses_another_target(target, tmp_path):
         load_dataset_dir(d, OtherTokenizer())
 
 
-@pytest.mark.parametrize("sample, error", [
-    ({"id": "x", "input_ids": [1, 64], "loss_mask": [0, 1]}, "token id 64 outside the vocabulary"),
-    ({"id": "x", "input_ids": [1, 2], "loss_mask": [1]}, "2 input_ids but 1 loss_mask"),
-    ({"id": "x", "input_ids": [1, 2], "loss_mask": [0, 0]}, "no supervised token"),
-    ({"id": "t:0", "input_ids": [1, 2], "loss_mask": [0, 1]}, "appears twice"),
-])
+@pytest.mark.parametrize(
+    "sample, error",
+    [
+        ({"id": "x", "input_ids": [1, 64], "loss_mask": [0, 1]}, "token id 64 outside the vocabulary"),
+        ({"id": "x", "input_ids": [1, 2], "loss_mask": [1]}, "2 input_ids but 1 loss_mask"),
+        ({"id": "x", "input_ids": [1, 2], "loss_mask": [0, 0]}, "no supervised token"),
+        ({"id": "t:0", "input_ids": [1, 2], "loss_mask": [0, 1]}, "appears twice"),
+    ],
+)
 def test_load_reports_bad_samples_with_file_and_line(target, tmp_path, sample, error):
     d = make_dir(tmp_path, target)
     shard = d / "samples-00000.jsonl"
@@ -456,15 +524,34 @@ def test_load_refuses_empty_or_foreign_dirs(target, tmp_path):
 
 # ----- the bundled target, end to end -----
 
+
 @pytest.mark.integration
 def test_prepare_data_cli_on_smollm2(tmp_path):
     from dominospec import cli
 
     target = Target.load("smollm2-135m")  # converts the bundled GGUF once (~40 s) if needed
-    prompts = write_lines(tmp_path / "p.jsonl", [json.dumps({"turns": ["Say hi.", "Now say bye."]}),
-                                                  json.dumps({"prompt": "What is 2+3?"})])
-    assert cli.main(["prepare-data", "--prompts", str(prompts), "--out", str(tmp_path / "d"),
-                     "--max-new-tokens", "8", "--batch-size", "2", "--temperature", "0"]) == 0
+    prompts = write_lines(
+        tmp_path / "p.jsonl",
+        [json.dumps({"turns": ["Say hi.", "Now say bye."]}), json.dumps({"prompt": "What is 2+3?"})],
+    )
+    assert (
+        cli.main(
+            [
+                "prepare-data",
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(tmp_path / "d"),
+                "--max-new-tokens",
+                "8",
+                "--batch-size",
+                "2",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     meta, samples = load_dataset_dir(tmp_path / "d", target)
     assert meta["tokenizer_sha256"] == target.tokenizer_fingerprint and meta["counts"]["conversations"] == 2
     convs = {c.id: c for c in read_prompt_file(prompts)}

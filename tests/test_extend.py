@@ -27,8 +27,11 @@ def target():
 
 
 def digests(d: Path) -> dict:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 def run(target, tmp_path, name, convs=CONVERSATIONS, cfg=CFG, codec=None):
@@ -104,8 +107,11 @@ def test_shipped_data_holds_no_held_out_prompt():
             assert "eval-" not in source["spec"] and source["kind"] != "hf", (part["name"], source)
     train = [_normal(t) for c in dataset_prompts(SHIPPED) for t in c["turns"]]
     assert len(train) == manifest["counts"]["conversations"] or len(train) >= manifest["counts"]["conversations"]
-    held = [_normal(c.turns[0]) for f in sorted((REPO / "prompts").glob("eval-*.jsonl"))
-            for c in read_prompt_file(f, on_error="fatal")]
+    held = [
+        _normal(c.turns[0])
+        for f in sorted((REPO / "prompts").glob("eval-*.jsonl"))
+        for c in read_prompt_file(f, on_error="fatal")
+    ]
     assert held
     train_set = set(train)
     for h in held:
@@ -138,8 +144,9 @@ def test_validation_split_keeps_conversations_of_a_data_set_apart(target, tmp_pa
     from dominospec.train.validate import conversation_of, split_validation
 
     ds = tmp_path / "ds"
-    add_part(ds, run(target, tmp_path, "a", convs=[Conversation((f"count to {i}", "again"), f"c:{i}")
-                                                    for i in range(40)]))
+    add_part(
+        ds, run(target, tmp_path, "a", convs=[Conversation((f"count to {i}", "again"), f"c:{i}") for i in range(40)])
+    )
     samples = load_dataset_dir(ds, target)[1]
     train, val = split_validation(samples, 0.2)
     assert train and val

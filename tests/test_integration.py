@@ -30,8 +30,11 @@ def test_bundled_target_loads_as_a_real_chat_model(smollm):
 @pytest.mark.parametrize("head", ["domino", "none"])
 def test_speculative_output_identical_on_the_bundled_target(smollm, head):
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(smollm, head=head, num_layers=1, block_size=4,
-                                               intermediate_size=256, rank=16, gru_hidden_size=32))
+    drafter = Drafter(
+        DrafterConfig.for_target(
+            smollm, head=head, num_layers=1, block_size=4, intermediate_size=256, rank=16, gru_hidden_size=32
+        )
+    )
     if head == "domino":
         torch.nn.init.normal_(drafter.head.w2.weight, std=0.5)
     drafter.attach(smollm)
@@ -57,15 +60,40 @@ def test_native_path_is_exact_on_the_bundled_target(smollm):
 
 def test_cli_init_then_generate_json(tmp_path, capsys, smollm):
     out = tmp_path / "drafter"
-    assert main(["init", "--out", str(out), "--layers", "1", "--block-size", "4", "--rank", "16",
-                 "--gru-hidden-size", "32", "--intermediate-size", "256"]) == 0
+    assert (
+        main(
+            [
+                "init",
+                "--out",
+                str(out),
+                "--layers",
+                "1",
+                "--block-size",
+                "4",
+                "--rank",
+                "16",
+                "--gru-hidden-size",
+                "32",
+                "--intermediate-size",
+                "256",
+            ]
+        )
+        == 0
+    )
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
     capsys.readouterr()
-    assert main(["generate", "Name three colours.", "--drafter", str(out), "--max-new-tokens", "10",
-                 "--json"]) == 0
+    assert main(["generate", "Name three colours.", "--drafter", str(out), "--max-new-tokens", "10", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) >= {"text", "new_tokens", "tokens_per_s", "tau", "cycles", "accepted_per_position",
-                         "draft_s", "verify_s"}
+    assert set(data) >= {
+        "text",
+        "new_tokens",
+        "tokens_per_s",
+        "tau",
+        "cycles",
+        "accepted_per_position",
+        "draft_s",
+        "verify_s",
+    }
     assert data["new_tokens"] == 10 and data["tau"] >= 1 and len(data["accepted_per_position"]) == 4
     assert main(["generate", "Name three colours.", "--no-draft", "--max-new-tokens", "10", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
@@ -84,12 +112,56 @@ def test_cli_reports_a_drafter_for_another_target(tmp_path, capsys, smollm):
 def test_pipeline_prepare_train_generate_bench(tmp_path, capsys, smollm):
     """The user's whole path on the real target: data -> trained drafter -> generate -> bench."""
     data, drafter, bench = tmp_path / "data", tmp_path / "drafter", tmp_path / "bench"
-    assert main(["prepare-data", "--prompts", "builtin:2", "--out", str(data), "--max-new-tokens", "12",
-                 "--batch-size", "2"]) == 0
-    assert main(["train", "--data", str(data), "--out", str(drafter), "--layers", "1", "--block-size", "4",
-                 "--intermediate-size", "256", "--gru-hidden-size", "32", "--rank", "16", "--draft-vocab", "512",
-                 "--max-steps", "3", "--batch-size", "2", "--anchors", "4", "--save-every", "2",
-                 "--feature-cache", str(tmp_path / "features")]) == 0
+    assert (
+        main(
+            [
+                "prepare-data",
+                "--prompts",
+                "builtin:2",
+                "--out",
+                str(data),
+                "--max-new-tokens",
+                "12",
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(data),
+                "--out",
+                str(drafter),
+                "--layers",
+                "1",
+                "--block-size",
+                "4",
+                "--intermediate-size",
+                "256",
+                "--gru-hidden-size",
+                "32",
+                "--rank",
+                "16",
+                "--draft-vocab",
+                "512",
+                "--max-steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--anchors",
+                "4",
+                "--save-every",
+                "2",
+                "--feature-cache",
+                str(tmp_path / "features"),
+            ]
+        )
+        == 0
+    )
     assert len(list((tmp_path / "features").glob("*.safetensors"))) == 2
     assert (drafter / "config.json").exists() and (drafter / "metrics.jsonl").exists()
     cfg = json.loads((drafter / "config.json").read_text())
@@ -101,8 +173,24 @@ def test_pipeline_prepare_train_generate_bench(tmp_path, capsys, smollm):
     assert json.loads(capsys.readouterr().out)["text"] == spec["text"]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"turns": ["Say hello."]}\n')
-    assert main(["bench", "--prompts", str(prompts), "--drafter", str(drafter), "--methods", "ar,drafters,ablation",
-                 "--max-new-tokens", "6", "--out", str(bench)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--drafter",
+                str(drafter),
+                "--methods",
+                "ar,drafters,ablation",
+                "--max-new-tokens",
+                "6",
+                "--out",
+                str(bench),
+            ]
+        )
+        == 0
+    )
     res = json.loads((bench / "results.json").read_text())
     assert res["methods"]["ar"]["lossless_mismatches"] == 0
     assert all(m["lossless_mismatches"] == 0 for m in res["methods"].values())
@@ -116,8 +204,11 @@ def test_shipped_default_drafter_is_used_and_lossless(capsys, smollm):
     files = sorted(p.name for p in shipped.iterdir())
     # acceptance.json: its measured acceptance by position (what --block-size auto reads);
     # calibration.json: its confidence head's temperatures (what --verify static/cost read)
-    assert {"config.json", "model.safetensors"} <= set(files) <= {
-        "config.json", "model.safetensors", "acceptance.json", "calibration.json"}, files
+    assert (
+        {"config.json", "model.safetensors"}
+        <= set(files)
+        <= {"config.json", "model.safetensors", "acceptance.json", "calibration.json"}
+    ), files
     assert sum(p.stat().st_size for p in shipped.iterdir()) <= 30 * 2**20
     cfg = json.loads((shipped / "config.json").read_text())
     assert cfg["head"] == "domino"

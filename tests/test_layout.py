@@ -29,7 +29,7 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
@@ -50,14 +50,16 @@ def import_graph() -> dict[str, set[str]]:
 def test_import_reader_sees_relative_and_function_level_imports():
     graph = import_graph()
     assert "dominospec.cli.common" in graph["dominospec.cli.bench"]
-    assert "dominospec.cli.bench" in graph["dominospec.cli"]          # from . import bench
+    assert "dominospec.cli.bench" in graph["dominospec.cli"]  # from . import bench
     assert "dominospec.target.features" in graph["dominospec.drafter.config"]
 
 
 def test_library_code_never_imports_the_command_line():
-    offenders = {name: sorted(m for m in deps if m == "dominospec.cli" or m.startswith("dominospec.cli."))
-                 for name, deps in import_graph().items()
-                 if not (name == "dominospec.cli" or name.startswith("dominospec.cli."))}
+    offenders = {
+        name: sorted(m for m in deps if m == "dominospec.cli" or m.startswith("dominospec.cli."))
+        for name, deps in import_graph().items()
+        if not (name == "dominospec.cli" or name.startswith("dominospec.cli."))
+    }
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"library modules importing dominospec.cli: {offenders}"
 
@@ -71,7 +73,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep not in state:
                 cycle = visit(dep)
                 if cycle:
@@ -104,8 +106,74 @@ def test_only_the_target_package_imports_transformers():
         if name.startswith("dominospec.target"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(n.split(".")[0] == "transformers" for n in names):
                 outside.append(name)
     assert not outside, f"modules outside dominospec.target importing transformers: {outside}"
+
+
+# The data flow, bottom to top: a module may import its own package and packages of lower stages only.
+# Packages on one stage are siblings and stay independent of each other (the foundation modules excepted).
+STAGES = [
+    {"errors", "version", "log", "io", "devices", "sampling"},  # foundation
+    {"target"},  # the model being accelerated (the only home of transformers)
+    {"drafter"},  # the draft model and its checkpoints
+    {"decode"},  # one speculative step: propose, verify, accept
+    {"engine", "data", "export"},  # many requests at once; training data; other engines' formats
+    {"train", "bench", "serve", "integrations"},  # what users run
+    {"cli"},
+    {"__init__"},  # the package's public surface re-exports from any stage
+]
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def stage_of(package: str) -> int:
+    for i, names in enumerate(STAGES):
+        if package in names:
+            return i
+    raise AssertionError(f"package {package!r} has no stage in tests/test_layout.py STAGES: add it where it belongs")
+
+
+def stage_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for name, deps in graph.items():
+        src = package_of(name)
+        for dep in deps:
+            dst = package_of(dep)
+            up = stage_of(dst) > stage_of(src)
+            sibling = stage_of(dst) == stage_of(src) and stage_of(src) > 0  # foundation modules share freely
+            if src != dst and src != "__init__" and (up or sibling):
+                bad.append(f"{name} (stage {stage_of(src)}) imports {dep} (stage {stage_of(dst)})")
+    return sorted(bad)
+
+
+def test_every_package_has_a_stage():
+    for name in modules():
+        stage_of(package_of(name))
+
+
+def test_imports_only_go_down_the_stages():
+    bad = stage_violations(import_graph())
+    assert not bad, "imports against the data flow:\n" + "\n".join(bad)
+
+
+def test_stage_check_catches_an_upward_and_a_sibling_import():
+    graph = {
+        "dominospec.decode.single": {"dominospec.target.hf"},  # down: fine
+        "dominospec.target.hf": {"dominospec.decode.single"},  # up: caught
+        "dominospec.train.trainer": {"dominospec.bench.runner"},  # sibling: caught
+    }
+    assert stage_violations(graph) == [
+        "dominospec.target.hf (stage 1) imports dominospec.decode.single (stage 3)",
+        "dominospec.train.trainer (stage 5) imports dominospec.bench.runner (stage 5)",
+    ]

@@ -57,15 +57,18 @@ def test_lookup_alone_and_hybrid_keep_greedy_output(family, llama_target, qwen3_
     for prompt in PROMPTS + [[5, 9, 11, 2, 5, 9, 11, 2, 5, 9]]:
         ref = generate_autoregressive(target, prompt, 30, eos_ids=[])
         for drafter_or_none, b in ((None, 6), (None, 2), (drafter, 4)):
-            spec = generate_speculative(target, drafter_or_none, prompt, 30, block_size=b, eos_ids=[],
-                                        lookup=PromptLookup(min_match=2))
+            spec = generate_speculative(
+                target, drafter_or_none, prompt, 30, block_size=b, eos_ids=[], lookup=PromptLookup(min_match=2)
+            )
             assert spec.tokens == ref.tokens, (family, drafter_or_none is not None, b, prompt)
             copied += spec.lookup_cycles
             accepted_copies += sum(spec.accepted)
         # EOS met inside a copied run stops exactly where plain decoding does
         eos = ref.tokens[12]
         want = generate_autoregressive(target, prompt, 30, eos_ids=[eos])
-        assert generate_speculative(target, None, prompt, 30, eos_ids=[eos], lookup=PromptLookup()).tokens == want.tokens
+        assert (
+            generate_speculative(target, None, prompt, 30, eos_ids=[eos], lookup=PromptLookup()).tokens == want.tokens
+        )
     assert copied > 10 and accepted_copies > 10  # the random targets loop, so copies are really taken
 
 
@@ -89,8 +92,18 @@ def test_lookup_and_hybrid_sampling_preserve_target_distribution(hybrid):
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
 
     def run(t, seed):
-        return generate_speculative(t, drafter, prompt, 3, SAMPLING, seed=seed, block_size=3, eos_ids=[],
-                                    lookup=PromptLookup(min_match=2), verify=policy)
+        return generate_speculative(
+            t,
+            drafter,
+            prompt,
+            3,
+            SAMPLING,
+            seed=seed,
+            block_size=3,
+            eos_ids=[],
+            lookup=PromptLookup(min_match=2),
+            verify=policy,
+        )
 
     seen = distribution_matches_target(run, prompt)
     assert seen["lookup_cycles"] > (50 if hybrid else 300) and seen["accepted_any"] > 50

@@ -13,14 +13,32 @@ FEATS = [0, 2, L - 1]  # includes the last layer, whose HF hidden_states entry i
 
 
 def tiny(kind: str, dtype=torch.float32):
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=L,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  rms_norm_eps=1e-6)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=L,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
     if kind == "llama":  # SmolLM2-like: tied embeddings; llama3 rope scaling exercises HF's inv_freq
-        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
-                                       rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                        "original_max_position_embeddings": 64})
+        cfg = transformers.LlamaConfig(
+            **common,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
         cls = transformers.LlamaForCausalLM
     elif kind == "qwen2":  # q/k/v bias, no o bias
         cfg, cls = transformers.Qwen2Config(**common, tie_word_embeddings=False), transformers.Qwen2ForCausalLM
@@ -58,8 +76,8 @@ def check_rows(model, full_ids, logits, feats, start, tol):
     """Rows start.. of the native outputs (batch row 0) equal HF on the whole sequence."""
     ref_logits, ref_feats = hf_reference(model, full_ids)
     S = logits.shape[1]
-    assert (logits[0] - ref_logits[start: start + S]).abs().max().item() <= tol
-    want = torch.cat([ref_feats[j][start: start + S] for j in FEATS], dim=-1)
+    assert (logits[0] - ref_logits[start : start + S]).abs().max().item() <= tol
+    want = torch.cat([ref_feats[j][start : start + S] for j in FEATS], dim=-1)
     assert feats.shape == (1, S, len(FEATS) * 64)
     assert (feats[0] - want).abs().max().item() <= tol
 
@@ -85,7 +103,7 @@ def test_matches_transformers_prefill_steps_verify_rollback(kind, dtype):
 
     run(seq[:8], 0)  # prefill
     for i in range(8, 11):  # single-token decode steps
-        run(seq[i: i + 1], i)
+        run(seq[i : i + 1], i)
     logits = run(seq[11:16], 11)  # verify 5 tokens after a cached prefix
     cache.crop(13)  # rollback: reject the last 3 verified tokens
     seq[13:17] = torch.randint(0, 256, (4,), generator=g).tolist()  # re-extend with other tokens
@@ -116,7 +134,7 @@ def test_ragged_batch_equals_rows_alone(dtype):
         width = max(st)
         ids = torch.randint(0, 256, (3, width), generator=g)  # padding = random ids
         for b in range(3):
-            ids[b, : st[b]] = seqs[b][done[b]: done[b] + st[b]]
+            ids[b, : st[b]] = seqs[b][done[b] : done[b] + st[b]]
         lg, ft = native(ids, cache, num_new=st, feature_layers=FEATS)
         cache.lengths = list(done)  # roll back and redo asking for last-token logits only
         last, _ = native(ids, cache, num_new=st, logits="last")
@@ -127,7 +145,7 @@ def test_ragged_batch_equals_rows_alone(dtype):
         alone, pos = native.new_cache(1, max_len=32), 0
         for st, (lg, ft, last) in zip(stages, batched):
             n = st[b]
-            a, f = native(seqs[b][None, pos: pos + n], alone, feature_layers=FEATS)
+            a, f = native(seqs[b][None, pos : pos + n], alone, feature_layers=FEATS)
             pos += n
             assert (lg[b, :n] - a[0]).abs().max().item() <= tol
             assert (ft[b, :n] - f[0]).abs().max().item() <= tol
@@ -146,7 +164,7 @@ def test_batch_equal_lengths_decode_without_mask():
     step, _ = native(ids[:, 6:], cache, logits="last")
     for b in range(2):
         alone = native.new_cache(1, max_len=16)
-        ref, _ = native(ids[b: b + 1], alone, logits="last")
+        ref, _ = native(ids[b : b + 1], alone, logits="last")
         assert (step[b] - ref[0]).abs().max().item() <= 1e-4
 
 
@@ -156,7 +174,7 @@ def test_packed_linear_equals_f_linear(bias):
     """Protects: the packed / transposed / plain fp32 paths all compute x @ W^T + b, every row count."""
     torch.manual_seed(3)
     for out_f, in_f in [(96, 64), (64, 96), (960, 576), (576, 1536)]:  # both M=1 paths
-        w = torch.randn(out_f, in_f) / in_f ** 0.5
+        w = torch.randn(out_f, in_f) / in_f**0.5
         b = torch.randn(out_f) if bias else None
         lin = Linear(w, b)
         assert lin.packed is not None
@@ -173,12 +191,22 @@ def test_native_support_refuses_other_families():
     assert isinstance(why, str) and "gpt2" in why
     with pytest.raises(ValueError):
         NativeModel.from_hf(gpt2)
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=256)
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=16))
     assert "sliding" in native_support(mistral)
-    dyn = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **common, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
+    dyn = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **common, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+        )
+    )
     assert "dynamic" in native_support(dyn)
 
 
@@ -191,17 +219,19 @@ def test_cache_grows_past_max_len():
     lg, ft = native(torch.tensor([seq[:6]]), cache, feature_layers=FEATS)
     check_rows(model, seq[:6], lg, ft, 0, 1e-9)
     for i in range(6, 21, 5):
-        lg, ft = native(torch.tensor([seq[i: i + 5]]), cache, feature_layers=FEATS)
+        lg, ft = native(torch.tensor([seq[i : i + 5]]), cache, feature_layers=FEATS)
     check_rows(model, seq, lg, ft, 16, 1e-9)
     assert cache.max_len >= 21 and cache.length() == 21 and isinstance(cache, KVCache)
 
 
 # ----- the native backend behind the Target adapter -----
 
+
 def test_target_on_native_backend_decodes_exactly_like_transformers():
     """Protects: greedy speculative decoding through the native path equals plain greedy through the
     native path and through transformers (float64, so ties cannot flip)."""
     from conftest import tiny_drafter
+
     from dominospec import Target, generate_autoregressive, generate_speculative
 
     hf_model = tiny("llama", torch.float64)
@@ -220,8 +250,9 @@ def test_family_outside_the_native_set_runs_on_transformers_and_says_so():
     from dominospec import Target, generate_autoregressive
 
     torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=2,
-                                                                 n_positions=64)).eval()
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=2, n_positions=64)
+    ).eval()
     target = Target(gpt2, name="tiny-gpt2", backend="native")
     assert target.backend == "hf" and "transformers path" in target.backend_note and "gpt2" in target.backend_note
     assert len(generate_autoregressive(target, [1, 2, 3], 5, eos_ids=[]).tokens) == 5

@@ -38,10 +38,12 @@ def test_dense_anchors_take_every_supervised_position(tmp_path, qwen3_target):
     assert sample_anchors(mask, 2, random.Random(0)).numel() == 2
     samples = synthetic_samples(qwen3_target, n=4, answer_len=16)
     d = tiny_drafter(qwen3_target, block_size=4, randomize_head=False).float()
-    trainer = Trainer(qwen3_target, d, samples, tmp_path, TrainConfig(max_steps=1, batch_size=4, anchors=0),
-                      progress=False)
+    trainer = Trainer(
+        qwen3_target, d, samples, tmp_path, TrainConfig(max_steps=1, batch_size=4, anchors=0), progress=False
+    )
     seen = []
     real = trainer.sequence_terms
+
     def counting(i, f, fin, anchors, lam):
         seen.append(anchors.numel())
         return real(i, f, fin, anchors, lam)

@@ -20,8 +20,16 @@ from conftest import tiny_drafter
 from train_worker import synthetic_samples
 
 import dominospec
-from dominospec import (DominoError, Drafter, DrafterConfig, SamplingConfig, Target, cli, generate_autoregressive,
-                        generate_speculative)
+from dominospec import (
+    DominoError,
+    Drafter,
+    DrafterConfig,
+    SamplingConfig,
+    Target,
+    cli,
+    generate_autoregressive,
+    generate_speculative,
+)
 from dominospec.bench import runner
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.data.prompts import read_prompt_file
@@ -34,6 +42,7 @@ NOWHERE = "/nonexistent/target-that-must-not-load"  # an argument error must be 
 
 
 # ----- fixtures -----
+
 
 @pytest.fixture(scope="module")
 def shared_dir(tmp_path_factory) -> Path:
@@ -56,15 +65,30 @@ def char_model(shared_dir) -> Path:
     vocab.update({"<|im_start|>": start, "<|im_end|>": end})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=CONTEXT, eos_token_id=end, bos_token_id=start,
-        pad_token_id=end, tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(vocab),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=CONTEXT,
+            eos_token_id=end,
+            bos_token_id=start,
+            pad_token_id=end,
+            tie_word_embeddings=False,
+        )
+    )
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
         model.lm_head.weight[end] = 0.0
@@ -99,18 +123,62 @@ def char_data(char_model, shared_dir) -> Path:
     """prepare-data output of the char model: 4 short prompts, answers cut at the context."""
     prompts = write_prompts(shared_dir / "short.jsonl", ["hi", "why?", "a b", "ok"])
     out = shared_dir / "char-data"
-    assert cli.main(["prepare-data", "--target", str(char_model), "--prompts", str(prompts), "--out", str(out),
-                     "--max-new-tokens", "100", "--batch-size", "2", "--temperature", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "prepare-data",
+                "--target",
+                str(char_model),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "100",
+                "--batch-size",
+                "2",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     return out
 
 
 def train_args(char_model, data, out, *extra):
-    return ["train", "--target", char_model, "--data", data, "--out", out, "--layers", "1", "--block-size", "2",
-            "--gru-hidden-size", "8", "--rank", "4", "--intermediate-size", "16", "--batch-size", "2",
-            "--anchors", "4", "--max-steps", "2", "--save-every", "1", *extra]
+    return [
+        "train",
+        "--target",
+        char_model,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--layers",
+        "1",
+        "--block-size",
+        "2",
+        "--gru-hidden-size",
+        "8",
+        "--rank",
+        "4",
+        "--intermediate-size",
+        "16",
+        "--batch-size",
+        "2",
+        "--anchors",
+        "4",
+        "--max-steps",
+        "2",
+        "--save-every",
+        "1",
+        *extra,
+    ]
 
 
 # ----- 1. prompts longer than the context -----
+
 
 def test_text_too_long_by_characters_is_refused_without_tokenizing():
     from dominospec.target.context import MIN_ANSWER_TOKENS, encode_if_fits
@@ -121,8 +189,10 @@ def test_text_too_long_by_characters_is_refused_without_tokenizing():
     ids, why = encode_if_fits("x" * 1_000_000, never, 64, 12)
     assert ids is None and why.startswith("has 1000000 characters") and "at most 576" in why
     ids, why = encode_if_fits("x" * 50, lambda t: list(range(len(t))), 64, 12)
-    assert ids is None and why == (f"has 50 tokens; the target's context of 64 positions takes prompts of at most "
-                                   f"{64 - MIN_ANSWER_TOKENS} tokens (room for a 16-token answer)")
+    assert ids is None and why == (
+        f"has 50 tokens; the target's context of 64 positions takes prompts of at most "
+        f"{64 - MIN_ANSWER_TOKENS} tokens (room for a 16-token answer)"
+    )
     assert encode_if_fits("x" * 48, lambda t: list(range(len(t))), 64, 12) == (list(range(48)), None)
     assert encode_if_fits("x" * 10**6, list, None, 12)[1] is None  # unknown context: nothing refused
 
@@ -130,8 +200,22 @@ def test_text_too_long_by_characters_is_refused_without_tokenizing():
 def test_prepare_data_skips_prompts_that_cannot_fit_and_cuts_answers_at_the_context(char_model, tmp_path, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl", ["hi", "x" * 40, "y" * 1_000_000, "ok"])
     out = tmp_path / "d"
-    rc, err = run_cli(capsys, "prepare-data", "--target", char_model, "--prompts", prompts, "--out", out,
-                      "--max-new-tokens", 100, "--batch-size", 2, "--temperature", 0)
+    rc, err = run_cli(
+        capsys,
+        "prepare-data",
+        "--target",
+        char_model,
+        "--prompts",
+        prompts,
+        "--out",
+        out,
+        "--max-new-tokens",
+        100,
+        "--batch-size",
+        2,
+        "--temperature",
+        0,
+    )
     assert rc == 0, err
     assert "prompt p:2 has 59 tokens; the target's context of 64 positions takes prompts of at most 48" in err
     assert "prompt p:3 has 1000000 characters" in err
@@ -142,8 +226,18 @@ def test_prepare_data_skips_prompts_that_cannot_fit_and_cuts_answers_at_the_cont
     assert meta["counts"]["truncated_answers"] == 0
     assert sorted(s["id"] for s in samples) == ["p:1", "p:4"]
     assert all(len(s["input_ids"]) == CONTEXT for s in samples)  # answers run to the end of the context
-    rc, err = run_cli(capsys, "prepare-data", "--target", char_model, "--prompts", prompts,
-                      "--out", tmp_path / "fatal", "--on-error", "fatal")
+    rc, err = run_cli(
+        capsys,
+        "prepare-data",
+        "--target",
+        char_model,
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / "fatal",
+        "--on-error",
+        "fatal",
+    )
     assert rc == 2 and "error: prompt p:2 has 59 tokens" in err
 
 
@@ -155,18 +249,23 @@ def test_generation_is_capped_at_the_context_and_says_so(llama_target):
     spec = generate_speculative(target, d, prompt, 100, eos_ids=[])
     assert ar.new_tokens == 12 and spec.tokens == ar.tokens
     for res in (ar, spec):
-        assert res.notes == ["max_new_tokens 100 capped at 12: the prompt (500 tokens) and the answer must fit the "
-                             "target's context of 512 positions"]
+        assert res.notes == [
+            "max_new_tokens 100 capped at 12: the prompt (500 tokens) and the answer must fit the "
+            "target's context of 512 positions"
+        ]
     assert generate_autoregressive(target, prompt, 10, eos_ids=[]).notes == []
     with pytest.raises(DominoError, match="the prompt has 512 tokens and fills the target's context of 512"):
         generate_speculative(target, d, prompt + list(range(1, 13)), 10)
 
 
 def test_cli_generate_caps_new_tokens_and_refuses_a_prompt_that_cannot_fit(char_model, capsys):
-    rc, res, err = run_cli_json(capsys, "generate", "hi", "--target", char_model, "--no-draft",
-                                "--max-new-tokens", 1000, "--json")
-    note = ("max_new_tokens 1000 capped at 43: the prompt (21 tokens) and the answer must fit the target's "
-            "context of 64 positions")
+    rc, res, err = run_cli_json(
+        capsys, "generate", "hi", "--target", char_model, "--no-draft", "--max-new-tokens", 1000, "--json"
+    )
+    note = (
+        "max_new_tokens 1000 capped at 43: the prompt (21 tokens) and the answer must fit the target's "
+        "context of 64 positions"
+    )
     assert rc == 0 and res["new_tokens"] == 43 and res["notes"] == [note]
     assert f"[dominospec] {note}" in err
     rc, err = run_cli(capsys, "generate", "x" * 40, "--target", char_model, "--no-draft")
@@ -179,8 +278,10 @@ def test_bench_skips_prompts_that_cannot_fit_naming_file_and_line(char_model, tm
     said = []
     sets = runner.load_prompt_sets([str(prompts)], target, report=said.append)
     assert [len(p) for p in sets["set"]] == [21, 21]
-    assert said == [f"{prompts}:2: prompt has 59 tokens; the target's context of 64 positions takes prompts of "
-                    "at most 48 tokens (room for a 16-token answer); skipped"]
+    assert said == [
+        f"{prompts}:2: prompt has 59 tokens; the target's context of 64 positions takes prompts of "
+        "at most 48 tokens (room for a 16-token answer); skipped"
+    ]
     hf = runner.run_one(target, runner.Method("hf", "hf"), sets["set"][0], 100, SamplingConfig(), 0)
     assert hf.new_tokens == CONTEXT - 21  # transformers' own generate is capped like the others
 
@@ -193,27 +294,33 @@ def test_training_cuts_over_long_samples_instead_of_refusing_the_data(qwen3_targ
     kept = validate_samples([long, late, short], qwen3_target, 6, "data", report=said.append)
     assert [s["id"] for s in kept] == ["long", "short"]
     assert kept[0]["input_ids"] == list(range(1, 7)) and kept[0]["loss_mask"] == [0, 0, 1, 1, 1, 1]
-    assert said == ["data: 2 sample(s) longer than the context limit 6 (--max-seq-len / the target's "
-                    "max_position_embeddings) cut to it; 1 of them dropped, no answer left within the limit"]
+    assert said == [
+        "data: 2 sample(s) longer than the context limit 6 (--max-seq-len / the target's "
+        "max_position_embeddings) cut to it; 1 of them dropped, no answer left within the limit"
+    ]
 
 
 # ----- 2. training numbers, and a run whose loss diverges -----
 
-@pytest.mark.parametrize("field, value, message", [
-    ("gamma", 0.0, "--gamma must be a finite number > 0, got 0.0"),
-    ("gamma", math.nan, "--gamma must be a finite number > 0, got nan"),
-    ("lr", -1.0, "--lr must be a finite number > 0, got -1.0"),
-    ("lr", math.inf, "--lr must be a finite number > 0, got inf"),
-    ("batch_size", 0, "--batch-size must be an integer >= 1, got 0"),
-    ("save_every", 0, "--save-every must be an integer >= 1, got 0"),
-    ("anchors", -1, r"--anchors must be an integer >= 0 \(0: all\), got -1"),
-    ("distill", -0.5, r"--distill must be in \[0, 1\], got -0.5"),
-    ("max_steps", -3, "--max-steps must be an integer >= 0, got -3"),
-    ("epochs", 0.0, "--epochs must be a finite number > 0, got 0.0"),
-    ("lambda_start", 1.5, r"--lambda-start must be in \[0, 1\], got 1.5"),
-    ("lambda_decay", math.nan, r"--lambda-decay must be a fraction in \[0, 1\], got nan"),
-    ("max_seq_len", 1, "--max-seq-len must be an integer >= 2, got 1"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("gamma", 0.0, "--gamma must be a finite number > 0, got 0.0"),
+        ("gamma", math.nan, "--gamma must be a finite number > 0, got nan"),
+        ("lr", -1.0, "--lr must be a finite number > 0, got -1.0"),
+        ("lr", math.inf, "--lr must be a finite number > 0, got inf"),
+        ("batch_size", 0, "--batch-size must be an integer >= 1, got 0"),
+        ("save_every", 0, "--save-every must be an integer >= 1, got 0"),
+        ("anchors", -1, r"--anchors must be an integer >= 0 \(0: all\), got -1"),
+        ("distill", -0.5, r"--distill must be in \[0, 1\], got -0.5"),
+        ("max_steps", -3, "--max-steps must be an integer >= 0, got -3"),
+        ("epochs", 0.0, "--epochs must be a finite number > 0, got 0.0"),
+        ("lambda_start", 1.5, r"--lambda-start must be in \[0, 1\], got 1.5"),
+        ("lambda_decay", math.nan, r"--lambda-decay must be a fraction in \[0, 1\], got nan"),
+        ("max_seq_len", 1, "--max-seq-len must be an integer >= 2, got 1"),
+    ],
+)
 def test_every_training_number_is_checked_naming_its_flag(field, value, message):
     with pytest.raises(DominoError, match=message):
         TrainConfig(**{field: value})
@@ -226,17 +333,26 @@ def test_cli_train_refuses_gamma_0_before_loading_anything(capsys):
 
 def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(qwen3_target, tmp_path):
     d = tiny_drafter(qwen3_target, block_size=4, randomize_head=False).float()
-    trainer = Trainer(qwen3_target, d, synthetic_samples(qwen3_target, n=4), tmp_path,
-                      TrainConfig(max_steps=6, batch_size=2, anchors=4, save_every=2), progress=False)
+    trainer = Trainer(
+        qwen3_target,
+        d,
+        synthetic_samples(qwen3_target, n=4),
+        tmp_path,
+        TrainConfig(max_steps=6, batch_size=2, anchors=4, save_every=2),
+        progress=False,
+    )
 
     def poison(step):  # what a too-high learning rate does, without waiting for it
         if step == 2:
             with torch.no_grad():
                 d.fc.weight[0, 0] = float("nan")
 
-    with pytest.raises(DominoError, match=r"training stopped at step 3: the loss is not finite \(.*nan.*; "
-                                          r"the last good checkpoint \(step 2\) is kept in .*train_state and no "
-                                          r"drafter was exported"):
+    with pytest.raises(
+        DominoError,
+        match=r"training stopped at step 3: the loss is not finite \(.*nan.*; "
+        r"the last good checkpoint \(step 2\) is kept in .*train_state and no "
+        r"drafter was exported",
+    ):
         trainer.fit(on_step=poison)
     assert torch.load(tmp_path / "train_state" / "trainer.pt", weights_only=False)["step"] == 2
     assert not (tmp_path / "model.safetensors").exists()
@@ -257,35 +373,52 @@ def shaped_drafter(target, **changes):
 def checkpoint(qwen3_target, tmp_path_factory):
     out = tmp_path_factory.mktemp("resume")
     cfg = TrainConfig(max_steps=2, batch_size=2, anchors=4, lr=3e-3, save_every=2)
-    Trainer(qwen3_target, shaped_drafter(qwen3_target), synthetic_samples(qwen3_target, n=4), out, cfg,
-            progress=False).fit()
+    Trainer(
+        qwen3_target, shaped_drafter(qwen3_target), synthetic_samples(qwen3_target, n=4), out, cfg, progress=False
+    ).fit()
     return out, cfg
 
 
-@pytest.mark.parametrize("train_change, drafter_change, message", [
-    ({"lr": 0.01}, {}, "--lr: 0.01 now, 0.003 in the checkpoint"),
-    ({"gamma": 2.0}, {}, "--gamma: 2.0 now, None in the checkpoint"),
-    ({"lambda_start": 0.5}, {}, "--lambda-start: 0.5 now, 1.0 in the checkpoint"),
-    ({}, {"block_size": 3}, "--block-size: 3 now, 4 in the checkpoint"),
-    ({}, {"head": "none"}, "--head: 'none' now, 'domino' in the checkpoint"),
-    ({}, {"num_layers": 1}, "--layers: 1 now, 2 in the checkpoint"),
-    ({}, {"gru_hidden_size": 32}, "--gru-hidden-size: 32 now, 16 in the checkpoint"),
-    ({}, {"draft_vocab_size": 32}, "--draft-vocab: 32 now, 0 in the checkpoint"),
-])
-def test_resume_with_changed_settings_is_refused_naming_both_values(checkpoint, qwen3_target, train_change,
-                                                                     drafter_change, message):
+@pytest.mark.parametrize(
+    "train_change, drafter_change, message",
+    [
+        ({"lr": 0.01}, {}, "--lr: 0.01 now, 0.003 in the checkpoint"),
+        ({"gamma": 2.0}, {}, "--gamma: 2.0 now, None in the checkpoint"),
+        ({"lambda_start": 0.5}, {}, "--lambda-start: 0.5 now, 1.0 in the checkpoint"),
+        ({}, {"block_size": 3}, "--block-size: 3 now, 4 in the checkpoint"),
+        ({}, {"head": "none"}, "--head: 'none' now, 'domino' in the checkpoint"),
+        ({}, {"num_layers": 1}, "--layers: 1 now, 2 in the checkpoint"),
+        ({}, {"gru_hidden_size": 32}, "--gru-hidden-size: 32 now, 16 in the checkpoint"),
+        ({}, {"draft_vocab_size": 32}, "--draft-vocab: 32 now, 0 in the checkpoint"),
+    ],
+)
+def test_resume_with_changed_settings_is_refused_naming_both_values(
+    checkpoint, qwen3_target, train_change, drafter_change, message
+):
     out, cfg = checkpoint
     changed = TrainConfig(**{**cfg.__dict__, **train_change})
-    trainer = Trainer(qwen3_target, shaped_drafter(qwen3_target, **drafter_change),
-                      synthetic_samples(qwen3_target, n=4), out, changed, progress=False)
+    trainer = Trainer(
+        qwen3_target,
+        shaped_drafter(qwen3_target, **drafter_change),
+        synthetic_samples(qwen3_target, n=4),
+        out,
+        changed,
+        progress=False,
+    )
     with pytest.raises(DominoError, match=rf"cannot resume {out}/train_state with other settings .*{message}"):
         trainer.load_checkpoint()
 
 
 def test_resume_with_only_the_checkpoint_interval_changed_continues(checkpoint, qwen3_target):
     out, cfg = checkpoint
-    trainer = Trainer(qwen3_target, shaped_drafter(qwen3_target), synthetic_samples(qwen3_target, n=4), out,
-                      TrainConfig(**{**cfg.__dict__, "save_every": 3}), progress=False)
+    trainer = Trainer(
+        qwen3_target,
+        shaped_drafter(qwen3_target),
+        synthetic_samples(qwen3_target, n=4),
+        out,
+        TrainConfig(**{**cfg.__dict__, "save_every": 3}),
+        progress=False,
+    )
     assert trainer.load_checkpoint() and trainer.step == 2
 
 
@@ -336,23 +469,38 @@ def test_unwritable_outputs_are_refused_before_any_work(char_model, char_data, s
     prompts = write_prompts(shared_dir / "bench.jsonl", ["hi"])
     m = str(char_model)
     cases = {
-        "prepare-data": (["prepare-data", "--target", m, "--prompts", str(prompts), "--out", f"{readonly}/data"],
-                         f"--out {readonly}/data is not writable (Permission denied)"),
-        "init": (["init", "--target", m, "--out", f"{readonly}/drafter"],
-                 f"--out {readonly}/drafter is not writable (Permission denied)"),
-        "train": (train_args(m, str(char_data), f"{readonly}/train"),
-                  f"--out {readonly}/train is not writable (Permission denied)"),
-        "feature-cache": (train_args(m, str(char_data), f"{writable}/train", "--feature-cache", f"{readonly}/cache"),
-                          f"--feature-cache {readonly}/cache is not writable (Permission denied)"),
-        "bench": (["bench", "--target", m, "--prompts", str(prompts), "--methods", "ar", "--out", f"{readonly}/b"],
-                  f"--out {readonly}/b is not writable (Permission denied)"),
+        "prepare-data": (
+            ["prepare-data", "--target", m, "--prompts", str(prompts), "--out", f"{readonly}/data"],
+            f"--out {readonly}/data is not writable (Permission denied)",
+        ),
+        "init": (
+            ["init", "--target", m, "--out", f"{readonly}/drafter"],
+            f"--out {readonly}/drafter is not writable (Permission denied)",
+        ),
+        "train": (
+            train_args(m, str(char_data), f"{readonly}/train"),
+            f"--out {readonly}/train is not writable (Permission denied)",
+        ),
+        "feature-cache": (
+            train_args(m, str(char_data), f"{writable}/train", "--feature-cache", f"{readonly}/cache"),
+            f"--feature-cache {readonly}/cache is not writable (Permission denied)",
+        ),
+        "bench": (
+            ["bench", "--target", m, "--prompts", str(prompts), "--methods", "ar", "--out", f"{readonly}/b"],
+            f"--out {readonly}/b is not writable (Permission denied)",
+        ),
     }
     package_root = Path(dominospec.__file__).resolve().parents[1]  # the dominospec these tests import
     env = dict(os.environ, PYTHONPATH=str(package_root), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     try:
-        r = subprocess.run([sys.executable, "-c", MODE_BITS_OBEYED, json.dumps([argv for argv, _ in cases.values()])],
-                           env=env, capture_output=True, text=True, timeout=300,
-                           preexec_fn=_obey_mode_bits if as_root else None)
+        r = subprocess.run(
+            [sys.executable, "-c", MODE_BITS_OBEYED, json.dumps([argv for argv, _ in cases.values()])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            preexec_fn=_obey_mode_bits if as_root else None,
+        )
     except subprocess.SubprocessError as exc:  # no CAP_SETPCAP to give the capabilities up
         pytest.skip(f"cannot make root obey mode bits here: {exc}")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -362,6 +510,7 @@ def test_unwritable_outputs_are_refused_before_any_work(char_model, char_data, s
 
 
 # ----- 5. a byte-order mark -----
+
 
 def test_a_byte_order_mark_does_not_cost_the_first_prompt(tmp_path, char_data):
     path = tmp_path / "bom.jsonl"
@@ -376,9 +525,16 @@ def test_a_byte_order_mark_does_not_cost_the_first_prompt(tmp_path, char_data):
 
 # ----- 6. two training runs into one directory -----
 
+
 def test_a_second_training_run_into_the_same_directory_is_refused(qwen3_target, tmp_path):
-    trainer = Trainer(qwen3_target, shaped_drafter(qwen3_target), synthetic_samples(qwen3_target, n=4), tmp_path,
-                      TrainConfig(max_steps=1, batch_size=2, anchors=4), progress=False)
+    trainer = Trainer(
+        qwen3_target,
+        shaped_drafter(qwen3_target),
+        synthetic_samples(qwen3_target, n=4),
+        tmp_path,
+        TrainConfig(max_steps=1, batch_size=2, anchors=4),
+        progress=False,
+    )
     with exclusive_lock(tmp_path, "train"):  # another run holds OUT/.lock
         with pytest.raises(DominoError, match=rf"another train run is writing {tmp_path} \(it holds "):
             trainer.fit()
@@ -389,36 +545,58 @@ def test_a_second_training_run_into_the_same_directory_is_refused(qwen3_target, 
 
 # ----- 7 and 8. sampling values and numbers checked before any model loads -----
 
-@pytest.mark.parametrize("argv, message", [
-    (["generate", "hi", "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
-    (["generate", "hi", "--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
-    (["bench", "--prompts", "{prompts}", "--out", "{tmp}/b", "--temperature", "nan"],
-     "--temperature must be a finite number >= 0, got nan"),
-    (["prepare-data", "--prompts", "{prompts}", "--out", "{tmp}/d", "--temperature", "inf"],
-     "--temperature must be a finite number >= 0, got inf"),
-    (["prepare-data", "--prompts", "{prompts}", "--out", "{tmp}/d", "--shard-size", "0"],
-     "--shard-size 0 must be a positive multiple of --batch-size 8"),
-    (["prepare-data", "--prompts", "{prompts}", "--out", "{tmp}/d", "--limit", "0"], "--limit must be at least 1, got 0"),
-    (["prepare-data", "--prompts", "{prompts}", "--out", "{tmp}/d", "--max-new-tokens", "0"],
-     "--max-new-tokens must be at least 1, got 0"),
-    (["generate", ""], "PROMPT is empty: give the message to answer"),
-    (["generate", "   "], "PROMPT is empty: give the message to answer"),
-    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
-    (["generate", "hi", "--block-size", "0"], "--block-size must be at least 1, got 0"),
-    (["bench", "--prompts", "{prompts}", "--out", "{tmp}/b", "--limit", "0"], "--limit must be at least 1, got 0"),
-    (["bench", "--prompts", "{prompts}", "--out", "{tmp}/b", "--block-size", "0"],
-     "--block-size must be at least 1, got 0"),
-    (["init", "--out", "{tmp}/i", "--block-size", "0"], "--block-size must be at least 1, got 0"),
-    (["init", "--out", "{tmp}/i", "--layers", "0"], "--layers must be at least 1, got 0"),
-    (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--save-every", "0"], "--save-every must be an integer >= 1"),
-    (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
-    (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
-    (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--max-steps", "-3"], "--max-steps must be an integer >= 0"),
-    (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--anchors", "-1"],
-     "--anchors must be an integer >= 0 (0: all), got -1"),
-    (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--block-size", "0"], "--block-size must be at least 1, got 0"),
-    (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--draft-vocab", "-5"], "--draft-vocab must be at least 0"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "hi", "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        (["generate", "hi", "--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+        (
+            ["bench", "--prompts", "{prompts}", "--out", "{tmp}/b", "--temperature", "nan"],
+            "--temperature must be a finite number >= 0, got nan",
+        ),
+        (
+            ["prepare-data", "--prompts", "{prompts}", "--out", "{tmp}/d", "--temperature", "inf"],
+            "--temperature must be a finite number >= 0, got inf",
+        ),
+        (
+            ["prepare-data", "--prompts", "{prompts}", "--out", "{tmp}/d", "--shard-size", "0"],
+            "--shard-size 0 must be a positive multiple of --batch-size 8",
+        ),
+        (
+            ["prepare-data", "--prompts", "{prompts}", "--out", "{tmp}/d", "--limit", "0"],
+            "--limit must be at least 1, got 0",
+        ),
+        (
+            ["prepare-data", "--prompts", "{prompts}", "--out", "{tmp}/d", "--max-new-tokens", "0"],
+            "--max-new-tokens must be at least 1, got 0",
+        ),
+        (["generate", ""], "PROMPT is empty: give the message to answer"),
+        (["generate", "   "], "PROMPT is empty: give the message to answer"),
+        (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1, got 0"),
+        (["generate", "hi", "--block-size", "0"], "--block-size must be at least 1, got 0"),
+        (["bench", "--prompts", "{prompts}", "--out", "{tmp}/b", "--limit", "0"], "--limit must be at least 1, got 0"),
+        (
+            ["bench", "--prompts", "{prompts}", "--out", "{tmp}/b", "--block-size", "0"],
+            "--block-size must be at least 1, got 0",
+        ),
+        (["init", "--out", "{tmp}/i", "--block-size", "0"], "--block-size must be at least 1, got 0"),
+        (["init", "--out", "{tmp}/i", "--layers", "0"], "--layers must be at least 1, got 0"),
+        (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--save-every", "0"], "--save-every must be an integer >= 1"),
+        (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
+        (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+        (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--max-steps", "-3"], "--max-steps must be an integer >= 0"),
+        (
+            ["train", "--data", "{tmp}", "--out", "{tmp}/t", "--anchors", "-1"],
+            "--anchors must be an integer >= 0 (0: all), got -1",
+        ),
+        (
+            ["train", "--data", "{tmp}", "--out", "{tmp}/t", "--block-size", "0"],
+            "--block-size must be at least 1, got 0",
+        ),
+        (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--draft-vocab", "-5"], "--draft-vocab must be at least 0"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_flag_before_any_model_loads(argv, message, tmp_path, capsys):
     prompts = write_prompts(tmp_path / "p.jsonl", ["hi"])
     argv = [a.format(prompts=prompts, tmp=tmp_path) for a in argv] + ["--target", NOWHERE]
@@ -428,11 +606,15 @@ def test_bad_arguments_exit_2_naming_the_flag_before_any_model_loads(argv, messa
 
 # ----- 9. data written by another target -----
 
+
 def test_data_written_by_another_target_is_refused_unless_allowed(char_model, char_data):
     same = Target.load(str(char_model), device="cpu")
     other = Target(same.model, same.tokenizer, name="another-model")  # same tokenizer, another name
-    with pytest.raises(DominoError, match=rf"data {char_data} was written by target '{char_model}', but this run "
-                                          r"trains for target 'another-model'.*--allow-other-target"):
+    with pytest.raises(
+        DominoError,
+        match=rf"data {char_data} was written by target '{char_model}', but this run "
+        r"trains for target 'another-model'.*--allow-other-target",
+    ):
         load_dataset_dir(char_data, other)
     assert load_dataset_dir(char_data, other, allow_other_target=True)[1]
     assert load_dataset_dir(char_data, same)[1]
@@ -440,9 +622,12 @@ def test_data_written_by_another_target_is_refused_unless_allowed(char_model, ch
 
 # ----- 10. messages that say what is wrong -----
 
+
 def test_a_directory_given_as_prompts_is_called_a_directory(tmp_path, capsys):
-    for argv in (["prepare-data", "--prompts", tmp_path, "--out", tmp_path / "d"],
-                 ["bench", "--prompts", tmp_path, "--out", tmp_path / "b"]):
+    for argv in (
+        ["prepare-data", "--prompts", tmp_path, "--out", tmp_path / "d"],
+        ["bench", "--prompts", tmp_path, "--out", tmp_path / "b"],
+    ):
         rc, err = run_cli(capsys, *argv, "--target", NOWHERE)
         assert rc == 2 and f"--prompts {tmp_path} is a directory; give a JSONL file" in err, err
 

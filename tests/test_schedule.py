@@ -37,6 +37,7 @@ def proposal(confidences, source="drafter"):
 
 # ----- confidence at inference -----
 
+
 @pytest.mark.parametrize("head", ["domino", "none"])
 def test_confidence_logits_travel_with_the_proposal_and_read_the_token_before_each_slot(head, qwen3_target):
     """c_k = sigmoid(w . [z_k ; embed(x_{a+k})]): slot 1 reads the anchor, slot k the draft before it."""
@@ -56,6 +57,7 @@ def test_confidence_logits_travel_with_the_proposal_and_read_the_token_before_ea
 
 
 # ----- what each policy cuts -----
+
 
 def test_static_stops_before_the_first_slot_under_the_threshold():
     policy = StaticPolicy(threshold=0.5)
@@ -97,7 +99,7 @@ P_T = torch.tensor([0.7, 0.3], dtype=torch.float64)  # the target's next-token d
 P_D = torch.tensor([0.5, 0.5], dtype=torch.float64)  # the drafter's
 # c_1 does not depend on the drafts; c_2 reads d_1: confident after token 0, not after token 1
 C1, C2 = 0.5, {0: 0.99, 1: 0.01}
-COUNTER_COSTS = CostTable({0: [1.0, 1.6, 1.7]})      # verifying 1 draft never pays; 2 may
+COUNTER_COSTS = CostTable({0: [1.0, 1.6, 1.7]})  # verifying 1 draft never pays; 2 may
 
 
 def first_token_distribution(choose_k) -> torch.Tensor:
@@ -128,16 +130,19 @@ def test_search_past_the_first_drop_changes_the_output_distribution_and_ours_doe
         rates = policy.rates(torch.cumprod(policy.confidences(p), 0).tolist())
         return max(range(len(rates)), key=rates.__getitem__)
 
-    assert [full_search(Proposal(torch.tensor([d, 0]), None, torch.tensor([logit(C1), logit(C2[d])])))
-            for d in (0, 1)] == [2, 0]
-    assert first_token_distribution(full_search) == pytest.approx(torch.tensor([0.85, 0.15], dtype=torch.float64),
-                                                                  abs=1e-12)
+    assert [
+        full_search(Proposal(torch.tensor([d, 0]), None, torch.tensor([logit(C1), logit(C2[d])]))) for d in (0, 1)
+    ] == [2, 0]
+    assert first_token_distribution(full_search) == pytest.approx(
+        torch.tensor([0.85, 0.15], dtype=torch.float64), abs=1e-12
+    )
     assert first_token_distribution(policy.verify_length) == pytest.approx(P_T, abs=1e-12)
     # the static rule looks at c_1..c_k only, so it is safe on the same example
     assert first_token_distribution(StaticPolicy(threshold=0.4).verify_length) == pytest.approx(P_T, abs=1e-12)
 
 
 # ----- lossless end to end -----
+
 
 def policies():
     return {"static": StaticPolicy(threshold=0.6), "cost": CostPolicy(costs=COSTS)}
@@ -152,8 +157,7 @@ def test_scheduled_verification_keeps_greedy_output(family, mode, llama_target, 
     for prompt in PROMPTS:
         ref = generate_autoregressive(target, prompt, 30, eos_ids=[])
         for b in (2, 4):
-            spec = generate_speculative(target, drafter, prompt, 30, block_size=b, eos_ids=[],
-                                        verify=policies()[mode])
+            spec = generate_speculative(target, drafter, prompt, 30, block_size=b, eos_ids=[], verify=policies()[mode])
             assert spec.tokens == ref.tokens, (family, mode, b, prompt)
             assert all(a <= v <= b for a, v in zip(spec.accepted, spec.verified))
             verified.update(spec.verified)
@@ -230,14 +234,16 @@ def test_distribution_test_detects_a_policy_that_reads_the_draft_it_judges():
     drafter = confident_drafter(target, block_size=3, seed=4, scale=3.0)
 
     def run(t, seed):
-        return generate_speculative(t, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[],
-                                    verify=PeekingPolicy())
+        return generate_speculative(
+            t, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[], verify=PeekingPolicy()
+        )
 
     with pytest.raises(AssertionError, match="pvalue"):  # the chi-square itself, not a side check
         distribution_matches_target(run, [1, 2, 3, 4])
 
 
 # ----- building policies -----
+
 
 def test_policies_refuse_without_a_confidence_head_and_fall_back_to_raw_confidences(llama_target, tmp_path):
     with pytest.raises(DominoError, match="confidence head"):
@@ -251,7 +257,7 @@ def test_policies_refuse_without_a_confidence_head_and_fall_back_to_raw_confiden
     said = []
     policy = make_policy("static", drafter, llama_target, report=said.append)
     assert policy.temperatures is None and len(said) == 1 and "raw confidences" in said[0]
-    drafter.source_dir = tmp_path
+    drafter.directory = tmp_path
     (tmp_path / "calibration.json").write_text(json.dumps({"temperatures": [1.5, 2.0, 2.5, 3.0]}))
     said.clear()
     policy = make_policy("cost", drafter, llama_target, costs=COSTS, report=said.append)
@@ -271,20 +277,40 @@ def test_cost_without_a_device_profile_says_how_to_make_one(llama_target, tmp_pa
 
 # ----- the benchmark runs them side by side -----
 
+
 def test_bench_runs_each_verify_policy_lookup_and_hybrid_side_by_side(llama_target, tmp_path):
-    drafters = [("conf", confident_drafter(llama_target, block_size=3)),
-                ("plain", tiny_drafter(llama_target, head="none", block_size=2, seed=5))]
+    drafters = [
+        ("conf", confident_drafter(llama_target, block_size=3)),
+        ("plain", tiny_drafter(llama_target, head="none", block_size=2, seed=5)),
+    ]
     notes_said = []
-    methods, notes = runner.build_methods(["drafters", "lookup", "hybrid", "sweep"], drafters,
-                                          verify=runner.parse_verify("fixed,static,cost"), target=llama_target,
-                                          costs=COSTS, threshold=0.6)
+    methods, notes = runner.build_methods(
+        ["drafters", "lookup", "hybrid", "sweep"],
+        drafters,
+        verify=runner.parse_verify("fixed,static,cost"),
+        target=llama_target,
+        costs=COSTS,
+        threshold=0.6,
+    )
     notes_said += notes
     names = [m.name for m in methods]
-    assert names == ["ar", "lookup-b8", "lookup-b8-static", "lookup-b8-cost",
-                     "domino-2L-b3", "domino-2L-b3-static", "domino-2L-b3-cost",
-                     "hybrid-domino-2L-b3", "hybrid-domino-2L-b3-static", "hybrid-domino-2L-b3-cost",
-                     "domino-2L-b1", "domino-2L-b2",
-                     "none-2L-b2", "hybrid-none-2L-b2", "none-2L-b1"]
+    assert names == [
+        "ar",
+        "lookup-b8",
+        "lookup-b8-static",
+        "lookup-b8-cost",
+        "domino-2L-b3",
+        "domino-2L-b3-static",
+        "domino-2L-b3-cost",
+        "hybrid-domino-2L-b3",
+        "hybrid-domino-2L-b3-static",
+        "hybrid-domino-2L-b3-cost",
+        "domino-2L-b1",
+        "domino-2L-b2",
+        "none-2L-b2",
+        "hybrid-none-2L-b2",
+        "none-2L-b1",
+    ]
     assert any("none-2L-b2-static: skipped" in n and "confidence head" in n for n in notes_said)
     with pytest.raises(DominoError, match="--verify"):
         runner.parse_verify("fixed,greedy")

@@ -26,15 +26,19 @@ def test_unfinished_short_repetitive_and_repeated_questions_are_dropped(target, 
     def ids(text, end=True):
         return enc(text, add_special_tokens=False)["input_ids"] + ([eos] if end else [])
 
-    scripted = iter([
-        [ids("how rivers form deltas over many years?"),  # kept
-         ids("how rivers form deltas over many years?", end=False),  # unfinished
-         ids("hi"),  # too short
-         ids("a a a a a a a a a a a a"),  # repetitive
-         ids("how  Rivers form deltas over many YEARS?")],  # a repeat, case and spacing aside
-        [ids("which tools measure the depth of a lake?")] + [ids("x")] * 4,
-    ])
-    monkeypatch.setattr(target, "sample_batch", lambda prompts, *a, **k: next(scripted)[:len(prompts)])
+    scripted = iter(
+        [
+            [
+                ids("how rivers form deltas over many years?"),  # kept
+                ids("how rivers form deltas over many years?", end=False),  # unfinished
+                ids("hi"),  # too short
+                ids("a a a a a a a a a a a a"),  # repetitive
+                ids("how  Rivers form deltas over many YEARS?"),
+            ],  # a repeat, case and spacing aside
+            [ids("which tools measure the depth of a lake?")] + [ids("x")] * 4,
+        ]
+    )
+    monkeypatch.setattr(target, "sample_batch", lambda prompts, *a, **k: next(scripted)[: len(prompts)])
     monkeypatch.setattr(selfwritten, "OPENINGS", {kind: ["Q:"] for kind in selfwritten.MIX})  # one opening each
     notes = []
     convs = self_written_prompts(target, 2, seed=3, batch_size=5, report=notes.append)

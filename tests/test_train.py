@@ -22,7 +22,7 @@ HERE = Path(__file__).parent
 
 def test_block_labels_follow_the_shift_convention():
     """Slot k of the block anchored at a reads x_{a+k} and is labelled x_{a+1+k}."""
-    ids = torch.arange(100, 112)                    # token value = 100 + position
+    ids = torch.arange(100, 112)  # token value = 100 + position
     mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1])
     assert anchor_candidates(mask).tolist() == [3, 4, 5, 6, 7, 8]
     tokens, labels = make_blocks(ids, mask, torch.tensor([3, 8]), 4)
@@ -34,9 +34,9 @@ def test_block_labels_follow_the_shift_convention():
 def test_simulated_tau_counts_the_accepted_prefix():
     logits = torch.full((2, 3, 5), -1.0)
     labels = torch.tensor([[1, 2, 3], [1, 2, 3]])
-    for k, tok in enumerate([1, 2, 0]):   # block 0: two hits then a miss -> tau 3
+    for k, tok in enumerate([1, 2, 0]):  # block 0: two hits then a miss -> tau 3
         logits[0, k, tok] = 1
-    for k, tok in enumerate([0, 2, 3]):   # block 1: first miss -> tau 1
+    for k, tok in enumerate([0, 2, 3]):  # block 1: first miss -> tau 1
         logits[1, k, tok] = 1
     greedy, _ = simulated_tau(logits, labels)
     assert greedy == pytest.approx(2.0)
@@ -55,9 +55,11 @@ def test_teacher_forced_head_equals_the_left_to_right_rollout(head, qwen3_target
     with torch.no_grad():
         tf = d.head.teacher_forced(z, d.embed(tokens), tokens)
         for n in range(2):
-            state = d.head.init_state(z[n:n + 1])
+            state = d.head.init_state(z[n : n + 1])
             for k in range(5):
-                delta, state = d.head.step(k, z[n, k:k + 1], d.embed(tokens[n, k:k + 1]), tokens[n, k:k + 1], state)
+                delta, state = d.head.step(
+                    k, z[n, k : k + 1], d.embed(tokens[n, k : k + 1]), tokens[n, k : k + 1], state
+                )
                 want = torch.zeros_like(tf[n, k]) if delta is None else delta[0]
                 assert torch.allclose(tf[n, k], want, atol=1e-10), (head, n, k)
     if head == "domino":
@@ -69,10 +71,17 @@ def test_training_raises_acceptance(head, tmp_path, qwen3_target):
     target = qwen3_target
     samples = synthetic_samples(target, n=12, answer_len=32)
     d = tiny_drafter(target, head=head, block_size=4, randomize_head=False, confidence=head == "rnn").float()
-    before = [generate_speculative(target, d.to(target.dtype), s["input_ids"][:5], 32, eos_ids=[]).tau
-              for s in samples[:4]]
-    trainer = Trainer(target, d, samples, tmp_path, TrainConfig(max_steps=60, batch_size=4, anchors=12, lr=3e-3,
-                                                                save_every=1000), progress=False)
+    before = [
+        generate_speculative(target, d.to(target.dtype), s["input_ids"][:5], 32, eos_ids=[]).tau for s in samples[:4]
+    ]
+    trainer = Trainer(
+        target,
+        d,
+        samples,
+        tmp_path,
+        TrainConfig(max_steps=60, batch_size=4, anchors=12, lr=3e-3, save_every=1000),
+        progress=False,
+    )
     last = trainer.fit()
     assert last["tau_greedy"] > 2.0
     d.eval().to(target.dtype)
@@ -87,13 +96,25 @@ def test_training_raises_acceptance(head, tmp_path, qwen3_target):
 
 def _run_worker(out, steps, stop_after=None, resume=False, procs=1):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    args = [str(HERE / "train_worker.py"), str(out), str(steps), str(stop_after) if stop_after else "-",
-            "resume" if resume else "fresh"]
+    args = [
+        str(HERE / "train_worker.py"),
+        str(out),
+        str(steps),
+        str(stop_after) if stop_after else "-",
+        "resume" if resume else "fresh",
+    ]
     if procs == 1:
         cmd = [sys.executable] + args
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
-               "--master_port", "29533"] + args
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(procs),
+            "--master_port",
+            "29533",
+        ] + args
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -147,7 +168,27 @@ def test_bad_training_data_is_refused_before_anything_is_written(qwen3_target):
 def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
     from dominospec.train.samples import frequent_tokens
 
-    samples = [{"input_ids": [5, 5, 5, 7, 7, 9, 1], "loss_mask": [1, 1, 1, 1, 1, 0, 1]},
-               {"input_ids": [9, 9, 9, 3], "loss_mask": [0, 0, 0, 1]}]  # 9 is only ever in prompts
+    samples = [
+        {"input_ids": [5, 5, 5, 7, 7, 9, 1], "loss_mask": [1, 1, 1, 1, 1, 0, 1]},
+        {"input_ids": [9, 9, 9, 3], "loss_mask": [0, 0, 0, 1]},
+    ]  # 9 is only ever in prompts
     assert frequent_tokens(samples, 3, 12, always=[11]).tolist() == [5, 7, 11]
     assert frequent_tokens(samples, 5, 12, always=[11]).tolist() == [1, 3, 5, 7, 11]
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("val_every", 0, "--val-every must be an integer >= 1, got 0"), ("val_anchors", -1, "--val-anchors must be")],
+)
+def test_validation_intervals_are_range_checked_from_python(field, value, message):
+    # val_every=0 used to reach `step % 0` deep in the training loop
+    with pytest.raises(DominoError, match=message):
+        TrainConfig(**{field: value})
+
+
+def test_val_anchors_zero_means_all_anchors():
+    from dominospec.train.validate import validation_anchors
+
+    assert TrainConfig(val_anchors=0).val_anchors == 0
+    mask = torch.tensor([0, 0] + [1] * 20)
+    assert validation_anchors(mask, 0).numel() == validation_anchors(mask, 10_000).numel() > 3

@@ -40,6 +40,7 @@ def ids(samples):
 
 # ----- the split -----
 
+
 def test_split_is_disjoint_by_conversation_and_the_same_in_every_run():
     samples = fake_samples(300)
     train, val = split_validation(samples, 0.1)
@@ -52,13 +53,15 @@ def test_split_is_disjoint_by_conversation_and_the_same_in_every_run():
     assert ids(split_validation(shuffled, 0.1)[1]) == ids(val)  # depends on ids, not on order
     # membership is a property of the id: a smaller data set holds out the same conversations it still has
     fewer = [s for s in samples if int(conv(s).split(":")[1]) < 150]
-    assert set(ids(split_validation(fewer, 0.1)[1])) == {i for i in ids(val) if int(i.split(":")[1].split("/")[0]) < 150}
+    assert set(ids(split_validation(fewer, 0.1)[1])) == {
+        i for i in ids(val) if int(i.split(":")[1].split("/")[0]) < 150
+    }
 
 
 def test_split_sizes_at_the_edges():
     plain = [{"id": f"p:{i}", "input_ids": [1, 2], "loss_mask": [1, 1]} for i in range(40)]
-    assert len(split_validation(plain[:20], 0.05)[1]) >= 1   # from 20 samples on, at least one
-    assert split_validation(plain[:19], 0.05)[1] == []         # below that, the default holds out nothing
+    assert len(split_validation(plain[:20], 0.05)[1]) >= 1  # from 20 samples on, at least one
+    assert split_validation(plain[:19], 0.05)[1] == []  # below that, the default holds out nothing
     assert split_validation(plain, 0.0)[1] == []
     with pytest.raises(DominoError, match="val-fraction"):
         split_validation(plain, 1.0)
@@ -67,6 +70,7 @@ def test_split_sizes_at_the_edges():
 
 
 # ----- counting -----
+
 
 def test_acceptance_counts_are_conditional_on_the_accepted_prefix():
     hit = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
@@ -93,8 +97,10 @@ def test_validator_equals_per_sample_teacher_forcing(qwen3_target, monkeypatch):
     target = qwen3_target
     d = tiny_drafter(target, head="domino", block_size=4, draft_vocab=40)
     rng = random.Random(0)
-    samples = [{"id": f"v:{i}", "input_ids": [rng.randrange(1, 63) for _ in range(n)],
-                "loss_mask": [0] * 3 + [1] * (n - 3)} for i, n in enumerate((9, 17, 12))]
+    samples = [
+        {"id": f"v:{i}", "input_ids": [rng.randrange(1, 63) for _ in range(n)], "loss_mask": [0] * 3 + [1] * (n - 3)}
+        for i, n in enumerate((9, 17, 12))
+    ]
     monkeypatch.setattr(validate, "ANCHOR_CHUNK", 3)
     res = Validator(target, samples, max_anchors=0, batch_size=2).evaluate(d)
     judged = torch.zeros(4, dtype=torch.long)
@@ -113,6 +119,7 @@ def test_validator_equals_per_sample_teacher_forcing(qwen3_target, monkeypatch):
 
 
 # ----- the best checkpoint -----
+
 
 class ScriptedValidator:
     """Validation tau 1 + score[step] / 100, whatever the drafter: decides which step is best."""
@@ -134,8 +141,15 @@ def scripted_run(target, out, scores, crash_at=None, resume=False, keep=None):
     sample = {"id": "t:0", "input_ids": [5, 9, 11, 2, 7, 8, 30, 4, 4, 17, 3, 3], "loss_mask": [0] * 3 + [1] * 9}
     d = tiny_drafter(target, head="domino", block_size=4, randomize_head=False).float()
     val = ScriptedValidator(scores)
-    trainer = Trainer(target, d, [sample], out, TrainConfig(max_steps=4, batch_size=1, anchors=3, lr=1e-2,
-                                                            save_every=1, val_every=1), progress=False, validator=val)
+    trainer = Trainer(
+        target,
+        d,
+        [sample],
+        out,
+        TrainConfig(max_steps=4, batch_size=1, anchors=3, lr=1e-2, save_every=1, val_every=1),
+        progress=False,
+        validator=val,
+    )
     val.trainer = trainer
     if resume:
         assert trainer.load_checkpoint()
@@ -189,18 +203,22 @@ def test_best_so_far_round_trips_through_its_state():
 
 # ----- the feature cache, now that the training list depends on the split -----
 
+
 def test_feature_cache_is_keyed_by_sample_content(qwen3_target, tmp_path):
     """Two runs sharing a cache see their own samples' features, whatever the order or split of their data."""
     target = qwen3_target
     rng = random.Random(3)
-    samples = [{"id": f"c:{i}", "input_ids": [rng.randrange(1, 63) for _ in range(6 + i)],
-                "loss_mask": [0, 0] + [1] * (4 + i)} for i in range(3)]
+    samples = [
+        {"id": f"c:{i}", "input_ids": [rng.randrange(1, 63) for _ in range(6 + i)], "loss_mask": [0, 0] + [1] * (4 + i)}
+        for i in range(3)
+    ]
     d = tiny_drafter(target, head="none", block_size=4)
     (tmp_path / "cache").mkdir()
     first = Trainer(target, d, samples, tmp_path / "a", TrainConfig(), feature_cache=tmp_path / "cache", progress=False)
     first.features([0, 1, 2])
-    second = Trainer(target, d, samples[::-1][:2], tmp_path / "b", TrainConfig(), feature_cache=tmp_path / "cache",
-                     progress=False)
+    second = Trainer(
+        target, d, samples[::-1][:2], tmp_path / "b", TrainConfig(), feature_cache=tmp_path / "cache", progress=False
+    )
     plain = Trainer(target, d, samples[::-1][:2], tmp_path / "c", TrainConfig(), progress=False)
     for (cached, _), (fresh, _) in zip(second.features([0, 1]), plain.features([0, 1])):
         assert cached.shape == fresh.shape and torch.allclose(cached, fresh, atol=1e-2)  # fp16 on disk
@@ -219,10 +237,12 @@ def test_training_plot_draws_validation(tmp_path):
 
 # ----- the command line -----
 
+
 def write_data_dir(path, samples, vocab, target="tiny"):
     path.mkdir()
-    (path / "meta.json").write_text(json.dumps({"format": "dominospec-data/1", "target": target, "vocab_size": vocab,
-                                                "complete": True}))
+    (path / "meta.json").write_text(
+        json.dumps({"format": "dominospec-data/1", "target": target, "vocab_size": vocab, "complete": True})
+    )
     (path / "samples-00000.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
 
 
@@ -234,12 +254,36 @@ def test_cli_train_validates_exports_the_best_and_writes_acceptance(tmp_path, ca
     target = tiny_target("llama", dtype=torch.float32)
     target.model.save_pretrained(str(tmp_path / "target"))
     rng = random.Random(0)
-    samples = [{"id": f"t:{i}", "input_ids": [rng.randrange(1, 63) for _ in range(14)], "loss_mask": [0] * 4 + [1] * 10}
-               for i in range(10)]
+    samples = [
+        {"id": f"t:{i}", "input_ids": [rng.randrange(1, 63) for _ in range(14)], "loss_mask": [0] * 4 + [1] * 10}
+        for i in range(10)
+    ]
     write_data_dir(tmp_path / "data", samples, 64, target=str(tmp_path / "target"))
-    common = ["train", "--target", str(tmp_path / "target"), "--data", str(tmp_path / "data"), "--layers", "1",
-              "--block-size", "3", "--intermediate-size", "32", "--gru-hidden-size", "8", "--rank", "4",
-              "--max-steps", "3", "--batch-size", "2", "--anchors", "4", "--val-every", "2"]
+    common = [
+        "train",
+        "--target",
+        str(tmp_path / "target"),
+        "--data",
+        str(tmp_path / "data"),
+        "--layers",
+        "1",
+        "--block-size",
+        "3",
+        "--intermediate-size",
+        "32",
+        "--gru-hidden-size",
+        "8",
+        "--rank",
+        "4",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--anchors",
+        "4",
+        "--val-every",
+        "2",
+    ]
     assert main(common + ["--out", str(tmp_path / "split"), "--val-fraction", "0.2"]) == 0
     err = capsys.readouterr().err
     held = split_validation(samples, 0.2)[1]

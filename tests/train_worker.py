@@ -38,10 +38,19 @@ def main(out: str, steps: int, stop_after: int | None, resume: bool, head: str =
     cfg = TrainConfig(max_steps=steps, batch_size=4, anchors=6, lr=3e-3, save_every=2, val_every=3, val_anchors=8)
     train, val = split_validation(synthetic_samples(target, n=10), 0.2)
     assert len(train) == 8 and len(val) == 2, (len(train), len(val))
-    trainer = Trainer(target, drafter, train, Path(out), cfg, dist=dist, progress=False,
-                      validator=Validator(target, val, cfg.val_anchors))
+    trainer = Trainer(
+        target,
+        drafter,
+        train,
+        Path(out),
+        cfg,
+        dist=dist,
+        progress=False,
+        validator=Validator(target, val, cfg.val_anchors),
+    )
     if resume:
         trainer.load_checkpoint()
+
     def die_like_kill_9(step):  # no cleanup, no atexit: what a killed process leaves behind
         if stop_after is not None and step >= stop_after:
             os._exit(137)
@@ -53,5 +62,10 @@ def main(out: str, steps: int, stop_after: int | None, resume: bool, head: str =
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(args[0], int(args[1]), int(args[2]) if args[2] != "-" else None, args[3] == "resume",
-         args[4] if len(args) > 4 else "domino")
+    main(
+        args[0],
+        int(args[1]),
+        int(args[2]) if args[2] != "-" else None,
+        args[3] == "resume",
+        args[4] if len(args) > 4 else "domino",
+    )

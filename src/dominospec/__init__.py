@@ -17,5 +17,14 @@ from .sampling import SamplingConfig
 from .target import Target
 from .version import __version__
 
-__all__ = ["DominoError", "Drafter", "DrafterConfig", "Target", "GenerationResult", "SamplingConfig",
-           "generate_autoregressive", "generate_speculative", "__version__"]
+__all__ = [
+    "DominoError",
+    "Drafter",
+    "DrafterConfig",
+    "Target",
+    "GenerationResult",
+    "SamplingConfig",
+    "generate_autoregressive",
+    "generate_speculative",
+    "__version__",
+]

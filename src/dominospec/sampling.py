@@ -29,8 +29,8 @@ def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0: greedy
-    top_k: int = 0            # 0: off
-    top_p: float = 1.0        # 1: off
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p)
@@ -89,7 +89,7 @@ def candidate_probs(logits: torch.Tensor, s: SamplingConfig, k: int = CANDIDATES
     if s.top_k and s.top_k < V:
         if s.top_k >= k:
             return None
-        kth = vals[:, s.top_k - 1:s.top_k]
+        kth = vals[:, s.top_k - 1 : s.top_k]
         if k < V and bool((vals[:, -1:] >= kth).any()):  # ties with the k-th run past the candidates
             return None
         vals = vals.masked_fill(vals < kth, float("-inf"))
@@ -120,8 +120,9 @@ def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[in
     return n, int(choice[n])
 
 
-def accept_rejection(drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                     gen: torch.Generator | None) -> tuple[int, int]:
+def accept_rejection(
+    drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, gen: torch.Generator | None
+) -> tuple[int, int]:
     """Leviathan/Chen rejection sampling.
 
     drafts [b]; draft_probs [b, V]: the distributions the drafts were really sampled from;

@@ -10,8 +10,8 @@ The per-cycle lists `accepted` and `committed` mean what they mean in decode/res
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from ..decode.result import tokens_per_cycle
 
@@ -21,19 +21,20 @@ REFERENCE = "ar"  # plain decoding: what speedup and losslessness are measured a
 @dataclass
 class PromptRun:
     """One method on one prompt: the output tokens, timings and (speculative only) cycle records."""
+
     method: str
     dataset: str
-    prompt_index: int          # index inside its dataset
-    tokens: list[int]          # new tokens only
-    total_s: float             # wall clock of the whole generation, prefill included
+    prompt_index: int  # index inside its dataset
+    tokens: list[int]  # new tokens only
+    total_s: float  # wall clock of the whole generation, prefill included
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    accepted: list[int] = field(default_factory=list)   # per cycle
+    accepted: list[int] = field(default_factory=list)  # per cycle
     committed: list[int] = field(default_factory=list)  # per cycle
-    block_size: int = 0        # drafts per cycle; 0 for methods without cycles
-    verified: list[int] = field(default_factory=list)   # per cycle: drafts the target checked
-    lookup_cycles: int = 0     # cycles whose drafts prompt lookup copied
+    block_size: int = 0  # drafts per cycle; 0 for methods without cycles
+    verified: list[int] = field(default_factory=list)  # per cycle: drafts the target checked
+    lookup_cycles: int = 0  # cycles whose drafts prompt lookup copied
 
     @property
     def new_tokens(self) -> int:
@@ -44,18 +45,31 @@ class PromptRun:
         return len(self.accepted)
 
     @classmethod
-    def from_generation(cls, res, method: str, dataset: str, prompt_index: int) -> "PromptRun":
+    def from_generation(cls, res, method: str, dataset: str, prompt_index: int) -> PromptRun:
         """From a decoding.GenerationResult."""
-        return cls(method=method, dataset=dataset, prompt_index=prompt_index, tokens=list(res.tokens),
-                   total_s=res.total_s, prefill_s=res.prefill_s, draft_s=res.draft_s, verify_s=res.verify_s,
-                   accepted=list(res.accepted), committed=list(res.committed), block_size=res.block_size,
-                   verified=list(res.verified), lookup_cycles=res.lookup_cycles)
+        return cls(
+            method=method,
+            dataset=dataset,
+            prompt_index=prompt_index,
+            tokens=list(res.tokens),
+            total_s=res.total_s,
+            prefill_s=res.prefill_s,
+            draft_s=res.draft_s,
+            verify_s=res.verify_s,
+            accepted=list(res.accepted),
+            committed=list(res.committed),
+            block_size=res.block_size,
+            verified=list(res.verified),
+            lookup_cycles=res.lookup_cycles,
+        )
 
 
 # ----- acceptance by block position -----
 
-def position_counts(accepted: Sequence[int], block_size: int,
-                    verified: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+
+def position_counts(
+    accepted: Sequence[int], block_size: int, verified: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
     """(judged, accepted) counts for block positions k = 1..block_size.
 
     Position k is judged in a cycle iff draft k was verified (verified >= k; default: every draft is)
@@ -75,8 +89,9 @@ def position_counts(accepted: Sequence[int], block_size: int,
     return judged, passed
 
 
-def conditional_acceptance(accepted: Sequence[int], block_size: int,
-                           verified: Sequence[int] | None = None) -> list[float | None]:
+def conditional_acceptance(
+    accepted: Sequence[int], block_size: int, verified: Sequence[int] | None = None
+) -> list[float | None]:
     """P(accept k | 1..k-1 accepted, k verified) per position; None where position k was never judged."""
     judged, passed = position_counts(accepted, block_size, verified)
     return [p / j if j else None for j, p in zip(judged, passed)]
@@ -90,6 +105,7 @@ def unconditional_acceptance(accepted: Sequence[int], block_size: int) -> list[f
 
 
 # ----- speed -----
+
 
 def tokens_per_second(new_tokens: Iterable[int], seconds: Iterable[float]) -> float:
     """Aggregate throughput: total new tokens / total time (not a mean of per-prompt rates)."""
@@ -114,10 +130,15 @@ def time_split(runs: Sequence[PromptRun]) -> dict:
     prefill = sum(r.prefill_s for r in runs)
     draft = sum(r.draft_s for r in runs)
     verify = sum(r.verify_s for r in runs)
-    out = {"cycles": cycles, "total_s": total,
-           "prefill_ms_per_prompt": 1e3 * prefill / n if n and prefill > 0 else None,  # None: not measured
-           "ms_per_token": 1e3 * total / tokens if tokens else None,
-           "draft_ms_per_cycle": None, "verify_ms_per_cycle": None, "host_ms_per_cycle": None}
+    out = {
+        "cycles": cycles,
+        "total_s": total,
+        "prefill_ms_per_prompt": 1e3 * prefill / n if n and prefill > 0 else None,  # None: not measured
+        "ms_per_token": 1e3 * total / tokens if tokens else None,
+        "draft_ms_per_cycle": None,
+        "verify_ms_per_cycle": None,
+        "host_ms_per_cycle": None,
+    }
     if not cycles and prefill > 0 and tokens > n:
         # plain decoding: the first token comes out of the prefill, each later one from one step
         out["decode_ms_per_step"] = 1e3 * (total - prefill) / (tokens - n)
@@ -129,6 +150,7 @@ def time_split(runs: Sequence[PromptRun]) -> dict:
 
 
 # ----- losslessness -----
+
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """Index of the first differing token (a length difference counts); None when identical."""
@@ -144,15 +166,18 @@ def mismatches(runs: Sequence[PromptRun], reference: dict[tuple[str, int], Seque
     for r in runs:
         pos = first_difference(r.tokens, reference[(r.dataset, r.prompt_index)])
         if pos is not None:
-            found.append({"method": r.method, "dataset": r.dataset, "prompt_index": r.prompt_index,
-                          "first_diff": pos})
+            found.append({"method": r.method, "dataset": r.dataset, "prompt_index": r.prompt_index, "first_diff": pos})
     return found
 
 
 # ----- one method, one group of prompts -----
 
-def summarize(runs: Sequence[PromptRun], reference_tps: float | None = None,
-              reference_tokens: dict[tuple[str, int], Sequence[int]] | None = None) -> dict:
+
+def summarize(
+    runs: Sequence[PromptRun],
+    reference_tps: float | None = None,
+    reference_tokens: dict[tuple[str, int], Sequence[int]] | None = None,
+) -> dict:
     """All reported numbers for one method over `runs` (one dataset, or all of them).
 
     reference_tps: the reference method's tokens/s on the same prompts (speedup is None without it).
@@ -165,19 +190,21 @@ def summarize(runs: Sequence[PromptRun], reference_tps: float | None = None,
     tps = tokens_per_second((r.new_tokens for r in runs), (r.total_s for r in runs))
     diff = mismatches(runs, reference_tokens) if reference_tokens is not None else None
     verified = [v for r in runs for v in (r.verified or [r.block_size] * r.cycles)]
-    out = {"tokens_per_s": tps,
-           "speedup": speedup(tps, reference_tps),
-           "tau": tokens_per_cycle(committed),
-           "accept_conditional": conditional_acceptance(accepted, block, verified) if block else [],
-           "accept_unconditional": unconditional_acceptance(accepted, block) if block else [],
-           "lossless_mismatches": None if diff is None else len(diff),
-           "num_prompts": len(runs),
-           "new_tokens": sum(r.new_tokens for r in runs),
-           "block_size": block,
-           # drafts the target checked per cycle (its forward covers one more), and those it rejected
-           "verified_per_cycle": sum(verified) / len(verified) if verified else None,
-           "wasted_per_cycle": (sum(verified) - sum(accepted)) / len(verified) if verified else None,
-           "lookup_cycle_share": sum(r.lookup_cycles for r in runs) / len(accepted) if accepted else None}
+    out = {
+        "tokens_per_s": tps,
+        "speedup": speedup(tps, reference_tps),
+        "tau": tokens_per_cycle(committed),
+        "accept_conditional": conditional_acceptance(accepted, block, verified) if block else [],
+        "accept_unconditional": unconditional_acceptance(accepted, block) if block else [],
+        "lossless_mismatches": None if diff is None else len(diff),
+        "num_prompts": len(runs),
+        "new_tokens": sum(r.new_tokens for r in runs),
+        "block_size": block,
+        # drafts the target checked per cycle (its forward covers one more), and those it rejected
+        "verified_per_cycle": sum(verified) / len(verified) if verified else None,
+        "wasted_per_cycle": (sum(verified) - sum(accepted)) / len(verified) if verified else None,
+        "lookup_cycle_share": sum(r.lookup_cycles for r in runs) / len(accepted) if accepted else None,
+    }
     out.update(time_split(runs))
     if diff is not None:
         out["mismatched_prompts"] = diff

@@ -9,10 +9,13 @@ from .metrics import REFERENCE
 
 
 def format_verify_cost(table: dict) -> str:
-    lines = [f"verify cost of {table.get('target', 'the target')} on {table['device']}, context {table['context']} "
-             f"(median of {table.get('repeats', '?')}):", "",
-             "| k new tokens | ms | x one token | verify steps/s | min ms | min x one token |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"verify cost of {table.get('target', 'the target')} on {table['device']}, context {table['context']} "
+        f"(median of {table.get('repeats', '?')}):",
+        "",
+        "| k new tokens | ms | x one token | verify steps/s | min ms | min x one token |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
     mins = table.get("min_seconds") or [None] * len(table["k"])
     min_rel = table.get("min_relative_to_1") or [None] * len(table["k"])
     for k, s, r, sps, m, mr in zip(table["k"], table["seconds"], table["relative_to_1"], table["sps"], mins, min_rel):
@@ -22,20 +25,25 @@ def format_verify_cost(table: dict) -> str:
 
 # ----- report -----
 
+
 def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
 def format_method_table(methods: dict) -> str:
-    lines = ["| method | tok/s | speedup | tau | verified/cycle | wasted/cycle | mismatches | prompts | new tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | tok/s | speedup | tau | verified/cycle | wasted/cycle | mismatches | prompts | new tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, m in methods.items():
         mm = "-" if m["lossless_mismatches"] is None else str(m["lossless_mismatches"])
         if "not_near_tie" in m:
             mm += f" ({m['not_near_tie']} not near-tie)"
-        lines.append(f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | "
-                     f"{_f(m.get('verified_per_cycle'))} | {_f(m.get('wasted_per_cycle'))} | {mm} | "
-                     f"{m['num_prompts']} | {m['new_tokens']} |")
+        lines.append(
+            f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | "
+            f"{_f(m.get('verified_per_cycle'))} | {_f(m.get('wasted_per_cycle'))} | {mm} | "
+            f"{m['num_prompts']} | {m['new_tokens']} |"
+        )
     return "\n".join(lines)
 
 
@@ -44,8 +52,7 @@ def format_acceptance_table(methods: dict, key: str) -> str:
     if not with_cycles:
         return "(no speculative method ran)"
     width = max(len(m[key]) for m in with_cycles.values())
-    lines = ["| method | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |",
-             "|---|" + "---:|" * width]
+    lines = ["| method | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |", "|---|" + "---:|" * width]
     for name, m in with_cycles.items():
         cells = [_f(v) for v in m[key]] + [""] * (width - len(m[key]))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -53,50 +60,79 @@ def format_acceptance_table(methods: dict, key: str) -> str:
 
 
 def format_time_table(methods: dict) -> str:
-    lines = ["| method | prefill ms/prompt | draft ms/cycle | verify ms/cycle | other host ms/cycle | ms/token |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| method | prefill ms/prompt | draft ms/cycle | verify ms/cycle | other host ms/cycle | ms/token |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, m in methods.items():
-        lines.append(f"| {name} | {_f(m['prefill_ms_per_prompt'], 1)} | {_f(m['draft_ms_per_cycle'], 1)} | "
-                     f"{_f(m['verify_ms_per_cycle'], 1)} | {_f(m['host_ms_per_cycle'], 1)} | "
-                     f"{_f(m['ms_per_token'], 1)} |")
+        lines.append(
+            f"| {name} | {_f(m['prefill_ms_per_prompt'], 1)} | {_f(m['draft_ms_per_cycle'], 1)} | "
+            f"{_f(m['verify_ms_per_cycle'], 1)} | {_f(m['host_ms_per_cycle'], 1)} | "
+            f"{_f(m['ms_per_token'], 1)} |"
+        )
     return "\n".join(lines)
 
 
 def render_report(results: dict, plots: bool = False) -> str:
     cfg = results["config"]
-    sampling = "greedy (T=0)" if cfg["temperature"] == 0 else (
-        f"T={cfg['temperature']}, top-p {cfg['top_p']}, top-k {cfg['top_k'] or 'off'}")
-    parts = ["# dominospec bench", "",
-             f"Target `{cfg['target']}` on {cfg['device']} ({cfg['dtype']}), {sampling}, "
-             f"max {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}. Datasets: "
-             + ", ".join(f"{d} ({n} prompts)" for d, n in cfg["datasets"].items()) + ". "
-             "All methods ran in one process, after a warm-up, interleaved per prompt; speedup is "
-             "tokens/s over `ar` (plain decoding through the same adapter) on the same prompts; tau counts the "
-             "bonus token (1.0 for methods without draft cycles); verified/cycle = drafts the target checked per "
-             "cycle (its forward covers one more token), wasted/cycle = those it rejected. Suffixes: -static / "
-             "-cost = confidence-scheduled verification, -nohead = the ablation; hybrid-X = X with prompt lookup.",
-             "",
-             "## Overall", "", format_method_table(results["methods"]), ""]
+    sampling = (
+        "greedy (T=0)"
+        if cfg["temperature"] == 0
+        else (f"T={cfg['temperature']}, top-p {cfg['top_p']}, top-k {cfg['top_k'] or 'off'}")
+    )
+    parts = [
+        "# dominospec bench",
+        "",
+        f"Target `{cfg['target']}` on {cfg['device']} ({cfg['dtype']}), {sampling}, "
+        f"max {cfg['max_new_tokens']} new tokens, seed {cfg['seed']}. Datasets: "
+        + ", ".join(f"{d} ({n} prompts)" for d, n in cfg["datasets"].items())
+        + ". "
+        "All methods ran in one process, after a warm-up, interleaved per prompt; speedup is "
+        "tokens/s over `ar` (plain decoding through the same adapter) on the same prompts; tau counts the "
+        "bonus token (1.0 for methods without draft cycles); verified/cycle = drafts the target checked per "
+        "cycle (its forward covers one more token), wasted/cycle = those it rejected. Suffixes: -static / "
+        "-cost = confidence-scheduled verification, -nohead = the ablation; hybrid-X = X with prompt lookup.",
+        "",
+        "## Overall",
+        "",
+        format_method_table(results["methods"]),
+        "",
+    ]
     for ds, methods in results["per_dataset"].items():
         parts += [f"## {ds}", "", format_method_table(methods), ""]
-    parts += ["## Acceptance by block position", "",
-              "Conditional: P(draft k accepted | drafts 1..k-1 accepted); '-' where position k was never reached.", "",
-              format_acceptance_table(results["methods"], "accept_conditional"), "",
-              "Unconditional: P(drafts 1..k all accepted), over all cycles.", "",
-              format_acceptance_table(results["methods"], "accept_unconditional"), ""]
-    parts += ["## Where the time goes", "",
-              "Per cycle: draft (backbone + head rollout), verify (one target forward over the block, acceptance, "
-              "target cache rollback, and the drafter's context-cache update), other host (the rest of the loop: "
-              "total - prefill - draft - verify). Per-token latency is (draft + verify + other) / tau. "
-              "hf and pld run inside transformers, so only their total is known.", "",
-              format_time_table(results["methods"]), ""]
+    parts += [
+        "## Acceptance by block position",
+        "",
+        "Conditional: P(draft k accepted | drafts 1..k-1 accepted); '-' where position k was never reached.",
+        "",
+        format_acceptance_table(results["methods"], "accept_conditional"),
+        "",
+        "Unconditional: P(drafts 1..k all accepted), over all cycles.",
+        "",
+        format_acceptance_table(results["methods"], "accept_unconditional"),
+        "",
+    ]
+    parts += [
+        "## Where the time goes",
+        "",
+        "Per cycle: draft (backbone + head rollout), verify (one target forward over the block, acceptance, "
+        "target cache rollback, and the drafter's context-cache update), other host (the rest of the loop: "
+        "total - prefill - draft - verify). Per-token latency is (draft + verify + other) / tau. "
+        "hf and pld run inside transformers, so only their total is known.",
+        "",
+        format_time_table(results["methods"]),
+        "",
+    ]
     ar = results["methods"].get(REFERENCE, {})
     step = ar.get("decode_ms_per_step")
     if step:
-        rows = [f"- {n}: verify = {m['verify_ms_per_cycle'] / step:.2f} decode steps, draft = "
-                f"{m['draft_ms_per_cycle'] / step:.2f} decode steps per cycle; break-even tau = "
-                f"{(m['draft_ms_per_cycle'] + m['verify_ms_per_cycle'] + m['host_ms_per_cycle']) / step:.2f}"
-                for n, m in results["methods"].items() if m.get("verify_ms_per_cycle")]
+        rows = [
+            f"- {n}: verify = {m['verify_ms_per_cycle'] / step:.2f} decode steps, draft = "
+            f"{m['draft_ms_per_cycle'] / step:.2f} decode steps per cycle; break-even tau = "
+            f"{(m['draft_ms_per_cycle'] + m['verify_ms_per_cycle'] + m['host_ms_per_cycle']) / step:.2f}"
+            for n, m in results["methods"].items()
+            if m.get("verify_ms_per_cycle")
+        ]
         parts += [f"One plain decode step (ar) costs {step:.1f} ms."] + ([""] + rows if rows else []) + [""]
     mism = [x for m in results["methods"].values() for x in m.get("mismatched_prompts", [])]
     parts += ["## Losslessness", ""]
@@ -111,12 +147,19 @@ def render_report(results: dict, plots: bool = False) -> str:
     if cfg.get("notes"):
         parts += ["## Notes", ""] + [f"- {n}" for n in cfg["notes"]] + [""]
     if plots:
-        parts += ["## Plots", "", "![acceptance by position](acceptance.png)", "",
-                  "![speedup per dataset](speedup.png)", ""]
+        parts += [
+            "## Plots",
+            "",
+            "![acceptance by position](acceptance.png)",
+            "",
+            "![speedup per dataset](speedup.png)",
+            "",
+        ]
     return "\n".join(parts)
 
 
 # ----- plots (optional: matplotlib may be missing) -----
+
 
 def _pyplot():
     try:
@@ -125,6 +168,7 @@ def _pyplot():
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -140,8 +184,10 @@ def write_plots(results: dict, out: Path) -> list[Path] | None:
         return None
     spec = {n: m for n, m in results["methods"].items() if m["accept_unconditional"]}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "accept_conditional", "P(accept k | 1..k-1 accepted)"),
-                           (axes[1], "accept_unconditional", "P(1..k all accepted)")):
+    for ax, key, title in (
+        (axes[0], "accept_conditional", "P(accept k | 1..k-1 accepted)"),
+        (axes[1], "accept_unconditional", "P(1..k all accepted)"),
+    ):
         for name, m in spec.items():
             ks = [k for k, v in enumerate(m[key], 1) if v is not None]
             ax.plot(ks, [m[key][k - 1] for k in ks], marker="o", label=name)
@@ -208,8 +254,11 @@ def write_verify_cost(table: dict, out_dir, plots: bool = True) -> None:
 def format_device_profile(table: dict) -> str:
     """Verify cost per context as multiples of one decode step, and the draft cost per block size."""
     fp = table["fingerprint"]
-    lines = [f"device profile: {fp['hardware']} ({fp['device']}, {fp['threads']} threads), {fp['target']} on "
-             f"{fp['backend']} in {fp['dtype']}", ""]
+    lines = [
+        f"device profile: {fp['hardware']} ({fp['device']}, {fp['threads']} threads), {fp['target']} on "
+        f"{fp['backend']} in {fp['dtype']}",
+        "",
+    ]
     ctxs = list(table["verify"])
     ks = table["verify"][ctxs[0]]["k"]
     lines.append("| k new tokens | " + " | ".join(f"ctx {c}: ms | x step" for c in ctxs) + " |")
@@ -222,8 +271,13 @@ def format_device_profile(table: dict) -> str:
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     if "draft" in table:
         d = table["draft"]
-        lines += ["", f"draft cycle ({d.get('drafter', 'drafter')}, context {d['context']}):", "",
-                  "| b drafts | ms |", "|---:|---:|"]
+        lines += [
+            "",
+            f"draft cycle ({d.get('drafter', 'drafter')}, context {d['context']}):",
+            "",
+            "| b drafts | ms |",
+            "|---:|---:|",
+        ]
         lines += [f"| {b} | {1e3 * s:.1f} |" for b, s in zip(d["b"], d["seconds"])]
     return "\n".join(lines)
 
@@ -238,8 +292,13 @@ def plot_device_profile(table: dict, path: Path) -> bool:
     if "draft" in table:
         c0 = next(iter(table["verify"].values()))
         step = c0["seconds"][0]
-        ax.plot(table["draft"]["b"], [s / step for s in table["draft"]["seconds"]], marker=".", linestyle="--",
-                label="draft cycle (b drafts)")
+        ax.plot(
+            table["draft"]["b"],
+            [s / step for s in table["draft"]["seconds"]],
+            marker=".",
+            linestyle="--",
+            label="draft cycle (b drafts)",
+        )
     fp = table["fingerprint"]
     ax.set_xlabel("new tokens in one forward (verify) / drafts per cycle (draft)")
     ax.set_ylabel("cost in decode steps")
@@ -259,14 +318,21 @@ def plot_reliability(calibration: dict, path: Path) -> bool:
     if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
-    for ax, key, ece_key, title in ((axes[0], "reliability_before", "ece_before", "raw confidences"),
-                                    (axes[1], "reliability_after", "ece_after", "after STS")):
+    for ax, key, ece_key, title in (
+        (axes[0], "reliability_before", "ece_before", "raw confidences"),
+        (axes[1], "reliability_after", "ece_after", "after STS"),
+    ):
         ax.plot([0, 1], [0, 1], color="black", linewidth=0.8, linestyle="--")
         for k, bins in enumerate(calibration[key], 1):
             if bins:
                 ece = calibration[ece_key][k - 1]
-                ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], marker="o", markersize=3,
-                        label=f"k={k} (ECE {100 * ece:.1f}%)")
+                ax.plot(
+                    [b["predicted"] for b in bins],
+                    [b["observed"] for b in bins],
+                    marker="o",
+                    markersize=3,
+                    label=f"k={k} (ECE {100 * ece:.1f}%)",
+                )
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xlabel("predicted P(drafts 1..k survive)")

@@ -17,19 +17,19 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from ..data.prompts import read_prompt_file
 from ..decode import generate_autoregressive, generate_speculative
-from ..decode.cost import ACCEPTANCE_NAME
 from ..decode.lookup import HYBRID_MIN_MATCH, LOOKUP_BLOCK_SIZE, PromptLookup
 from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, CostTable, VerifyPolicy, make_policy
 from ..devices import describe_device, synchronize
+from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..errors import DominoError
 from ..io import ensure_writable_dir, write_atomic, write_json_atomic
 from ..log import log
@@ -48,12 +48,13 @@ WARMUP_TOKENS = 8
 @dataclass
 class Method:
     """One way of decoding that the benchmark times."""
+
     name: str
-    kind: str                  # "ar" | "hf" | "pld" | "drafter" | "lookup" (prompt lookup alone)
-    drafter: object = None     # a Drafter, for kind "drafter"
-    use_head: bool = True      # False: the ablation (base logits only)
+    kind: str  # "ar" | "hf" | "pld" | "drafter" | "lookup" (prompt lookup alone)
+    drafter: object = None  # a Drafter, for kind "drafter"
+    use_head: bool = True  # False: the ablation (base logits only)
     block_size: int | None = None
-    source: str = ""           # where the drafter came from
+    source: str = ""  # where the drafter came from
     policy: VerifyPolicy | None = None  # how many drafts to verify each cycle (None: all)
     lookup_min_match: int | None = None  # kind "drafter": a hybrid with prompt lookup from this match length
 
@@ -61,8 +62,12 @@ class Method:
         d = {"name": self.name, "kind": self.kind}
         if self.kind == "drafter":
             c = self.drafter.config
-            d.update(source=self.source, head=c.head if self.use_head else "none (ablation)",
-                     layers=c.num_layers, block_size=self.block_size or c.block_size)
+            d.update(
+                source=self.source,
+                head=c.head if self.use_head else "none (ablation)",
+                layers=c.num_layers,
+                block_size=self.block_size or c.block_size,
+            )
         if self.kind == "lookup":
             d["block_size"] = self.block_size
         if self.lookup_min_match is not None:
@@ -102,10 +107,16 @@ def drafter_label(drafter, block_size: int | None = None) -> str:
     return f"{c.head}-{c.num_layers}L-b{block_size or c.block_size}"
 
 
-def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] = (),
-                  block_size: int | dict[str, int] | None = None, verify: Sequence[str] = ("fixed",),
-                  target=None, costs: CostTable | None = None, threshold: float = DEFAULT_THRESHOLD,
-                  lookup_min_match: int = HYBRID_MIN_MATCH) -> tuple[list[Method], list[str]]:
+def build_methods(
+    groups: Sequence[str],
+    drafters: Sequence[tuple[str, object]] = (),
+    block_size: int | dict[str, int] | None = None,
+    verify: Sequence[str] = ("fixed",),
+    target=None,
+    costs: CostTable | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    lookup_min_match: int = HYBRID_MIN_MATCH,
+) -> tuple[list[Method], list[str]]:
     """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
 
     `ar` is always included: it is the reference everything else is compared with. Each drafter, the
@@ -122,8 +133,9 @@ def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] 
     if "pld" in groups:
         methods.append(Method("pld", "pld"))
     if any(g in groups for g in ("drafters", "ablation", "hybrid", "sweep")) and not drafters:
-        notes.append("no drafter given and none is shipped for this target: drafter methods skipped "
-                     "(pass --drafter DIR)")
+        notes.append(
+            "no drafter given and none is shipped for this target: drafter methods skipped (pass --drafter DIR)"
+        )
 
     def with_policies(name: str, drafter, b: int | None, lookup: bool) -> list[tuple[str, VerifyPolicy]]:
         out = []
@@ -144,8 +156,9 @@ def build_methods(groups: Sequence[str], drafters: Sequence[tuple[str, object]] 
     for source, d in drafters:
         b = block_size.get(source) if isinstance(block_size, dict) else block_size
         if b is not None and b > d.config.block_size:
-            notes.append(f"{source}: --block-size {b} is above the drafter's {d.config.block_size}; using "
-                         f"{d.config.block_size}")
+            notes.append(
+                f"{source}: --block-size {b} is above the drafter's {d.config.block_size}; using {d.config.block_size}"
+            )
             b = d.config.block_size
         name = drafter_label(d, b)
         if name in seen:  # two drafters with the same shape: tell them apart by directory
@@ -181,20 +194,38 @@ def not_near_tie(target, prompt_ids: Sequence[int], tokens: Sequence[int], margi
         return 0
     ids = torch.tensor([list(prompt_ids) + list(tokens)], device=target.device)
     logits = target.forward(ids, target.new_cache(max_len=ids.shape[1]), with_features=False).logits[0].float()
-    rows = logits[len(prompt_ids) - 1: ids.shape[1] - 1]  # row j predicts tokens[j]
+    rows = logits[len(prompt_ids) - 1 : ids.shape[1] - 1]  # row j predicts tokens[j]
     chosen = rows.gather(1, torch.tensor(list(tokens), device=rows.device)[:, None]).squeeze(1)
     return int((rows.max(-1).values - chosen > margin).sum())
 
-def run_one(target, method: Method, prompt_ids: Sequence[int], max_new_tokens: int,
-            sampling: SamplingConfig, seed: int, dataset: str = "", prompt_index: int = 0) -> PromptRun:
+
+def run_one(
+    target,
+    method: Method,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seed: int,
+    dataset: str = "",
+    prompt_index: int = 0,
+) -> PromptRun:
     """Decode one prompt with one method and time it."""
     if method.kind == "ar":
         res = generate_autoregressive(target, prompt_ids, max_new_tokens, sampling, seed)
         return PromptRun.from_generation(res, method.name, dataset, prompt_index)
     if method.kind in ("drafter", "lookup"):
-        res = generate_speculative(target, method.drafter, prompt_ids, max_new_tokens, sampling, seed,
-                                   block_size=method.block_size, use_head=method.use_head, verify=method.policy,
-                                   lookup=method.new_lookup())
+        res = generate_speculative(
+            target,
+            method.drafter,
+            prompt_ids,
+            max_new_tokens,
+            sampling,
+            seed,
+            block_size=method.block_size,
+            use_head=method.use_head,
+            verify=method.policy,
+            lookup=method.new_lookup(),
+        )
         return PromptRun.from_generation(res, method.name, dataset, prompt_index)
     if method.kind in ("hf", "pld"):  # capped at the context like the adapter's own decoding
         max_new_tokens = cap_new_tokens(max_new_tokens, len(prompt_ids), target.max_positions)
@@ -202,16 +233,29 @@ def run_one(target, method: Method, prompt_ids: Sequence[int], max_new_tokens: i
             torch.manual_seed(seed)
         synchronize(target.device)
         t0 = time.perf_counter()
-        tokens = target.hf_generate(list(prompt_ids), max_new_tokens, sampling.temperature, sampling.top_k,
-                                    sampling.top_p, prompt_lookup=PROMPT_LOOKUP_TOKENS if method.kind == "pld" else 0)
+        tokens = target.hf_generate(
+            list(prompt_ids),
+            max_new_tokens,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            prompt_lookup=PROMPT_LOOKUP_TOKENS if method.kind == "pld" else 0,
+        )
         synchronize(target.device)
         return PromptRun(method.name, dataset, prompt_index, list(tokens), time.perf_counter() - t0)
     raise ValueError(f"unknown method kind {method.kind!r}")
 
 
-def run_benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequence[Method],
-                  max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-                  warmup: bool = True, progress: bool = True) -> list[PromptRun]:
+def run_benchmark(
+    target,
+    datasets: dict[str, list[list[int]]],
+    methods: Sequence[Method],
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    warmup: bool = True,
+    progress: bool = True,
+) -> list[PromptRun]:
     """Every method on every token-id prompt, interleaved per prompt; one PromptRun each."""
     from tqdm import tqdm
 
@@ -236,17 +280,20 @@ def run_benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequenc
     return runs
 
 
-def summarize_benchmark(runs: Sequence[PromptRun], method_names: Sequence[str], dataset_names: Sequence[str],
-                        compare_outputs: bool) -> dict:
+def summarize_benchmark(
+    runs: Sequence[PromptRun], method_names: Sequence[str], dataset_names: Sequence[str], compare_outputs: bool
+) -> dict:
     """{"methods": {NAME: summary}, "per_dataset": {DATASET: {NAME: summary}}} (metrics.summarize)."""
-    ref_tokens = ({(r.dataset, r.prompt_index): r.tokens for r in runs if r.method == REFERENCE}
-                  if compare_outputs else None)
+    ref_tokens = (
+        {(r.dataset, r.prompt_index): r.tokens for r in runs if r.method == REFERENCE} if compare_outputs else None
+    )
 
     def group(selected: list[PromptRun]) -> dict:
         ref = [r for r in selected if r.method == REFERENCE]
         ref_tps = tokens_per_second((r.new_tokens for r in ref), (r.total_s for r in ref)) if ref else None
-        return {name: summarize([r for r in selected if r.method == name], ref_tps, ref_tokens)
-                for name in method_names}
+        return {
+            name: summarize([r for r in selected if r.method == name], ref_tps, ref_tokens) for name in method_names
+        }
 
     overall = group(list(runs))
     per_dataset = {}
@@ -257,50 +304,100 @@ def summarize_benchmark(runs: Sequence[PromptRun], method_names: Sequence[str], 
     return {"methods": overall, "per_dataset": per_dataset}
 
 
-def benchmark(target, datasets: dict[str, list[list[int]]], methods: Sequence[Method], out_dir,
-              max_new_tokens: int = 128, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-              warmup: bool = True, progress: bool = True, plots: bool = True, notes: Sequence[str] = (),
-              config: dict | None = None) -> dict:
+def benchmark(
+    target,
+    datasets: dict[str, list[list[int]]],
+    methods: Sequence[Method],
+    out_dir,
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    warmup: bool = True,
+    progress: bool = True,
+    plots: bool = True,
+    notes: Sequence[str] = (),
+    config: dict | None = None,
+) -> dict:
     """Run, summarise and write DIR/results.json, runs.jsonl, report.md and plots; returns the results."""
     out = ensure_writable_dir(out_dir)  # before the run: a result that cannot be written is lost
     notes = list(notes)
-    capped = sum(cap_new_tokens(max_new_tokens, len(p), target.max_positions) < max_new_tokens
-                 for prompts in datasets.values() for p in prompts)
+    capped = sum(
+        cap_new_tokens(max_new_tokens, len(p), target.max_positions) < max_new_tokens
+        for prompts in datasets.values()
+        for p in prompts
+    )
     if capped:
-        notes.append(f"{capped} prompt(s) leave less than max_new_tokens {max_new_tokens} of the target's context "
-                     f"({target.max_positions} positions): every method's answer to them is cut there")
+        notes.append(
+            f"{capped} prompt(s) leave less than max_new_tokens {max_new_tokens} of the target's context "
+            f"({target.max_positions} positions): every method's answer to them is cut there"
+        )
     t0 = time.time()
     runs = run_benchmark(target, datasets, methods, max_new_tokens, sampling, seed, warmup, progress)
     compare = sampling.greedy
     if not compare:
-        notes.append(f"T={sampling.temperature} > 0: outputs are not compared with ar (lossless_mismatches is "
-                     "null); distribution preservation is tested in tests/test_core.py")
+        notes.append(
+            f"T={sampling.temperature} > 0: outputs are not compared with ar (lossless_mismatches is "
+            "null); distribution preservation is tested in tests/test_core.py"
+        )
     summary = summarize_benchmark(runs, [m.name for m in methods], list(datasets), compare)
     if compare and target.dtype not in (torch.float32, torch.float64):
         # reduced precision: a mismatch is acceptable only where the target itself was near a tie
         for name, m in summary["methods"].items():
-            m["not_near_tie"] = sum(not_near_tie(target, datasets[r.dataset][r.prompt_index], r.tokens)
-                                    for r in runs if r.method == name)
-        notes.append(f"{str(target.dtype).replace('torch.', '')}: greedy outputs may differ from ar at near-ties "
-                     f"(batch-shape rounding); not_near_tie counts tokens that are neither the target's argmax "
-                     f"nor within {NEAR_TIE_MARGIN} logits of it when the target re-reads the output (must be 0)")
-    cfg = {"target": getattr(target, "name", "model"), "device": describe_device(target.device),
-           "dtype": str(target.dtype).replace("torch.", ""), "backend": getattr(target, "backend", "hf"),
-           "max_new_tokens": max_new_tokens,
-           "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": seed,
-           "reference": REFERENCE, "warmup": warmup, "interleaved": True,
-           "methods": [m.describe() for m in methods],
-           "datasets": {ds: len(p) for ds, p in datasets.items()},
-           "versions": _versions(), "wall_s": round(time.time() - t0, 2), "notes": notes}
+            m["not_near_tie"] = sum(
+                not_near_tie(target, datasets[r.dataset][r.prompt_index], r.tokens) for r in runs if r.method == name
+            )
+        notes.append(
+            f"{str(target.dtype).replace('torch.', '')}: greedy outputs may differ from ar at near-ties "
+            f"(batch-shape rounding); not_near_tie counts tokens that are neither the target's argmax "
+            f"nor within {NEAR_TIE_MARGIN} logits of it when the target re-reads the output (must be 0)"
+        )
+    cfg = {
+        "target": getattr(target, "name", "model"),
+        "device": describe_device(target.device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "backend": getattr(target, "backend", "hf"),
+        "max_new_tokens": max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": seed,
+        "reference": REFERENCE,
+        "warmup": warmup,
+        "interleaved": True,
+        "methods": [m.describe() for m in methods],
+        "datasets": {ds: len(p) for ds, p in datasets.items()},
+        "versions": _versions(),
+        "wall_s": round(time.time() - t0, 2),
+        "notes": notes,
+    }
     cfg.update(config or {})
     results = {"config": cfg, "methods": summary["methods"], "per_dataset": summary["per_dataset"]}
 
     write_json_atomic(out / "results.json", results, indent=2)
-    write_atomic(out / "runs.jsonl", "".join(json.dumps(
-        {"method": r.method, "dataset": r.dataset, "prompt_index": r.prompt_index, "new_tokens": r.new_tokens,
-         "total_s": r.total_s, "prefill_s": r.prefill_s, "draft_s": r.draft_s, "verify_s": r.verify_s,
-         "accepted": r.accepted, "committed": r.committed, "verified": r.verified, "lookup_cycles": r.lookup_cycles,
-         "tokens": r.tokens}) + "\n" for r in runs))
+    write_atomic(
+        out / "runs.jsonl",
+        "".join(
+            json.dumps(
+                {
+                    "method": r.method,
+                    "dataset": r.dataset,
+                    "prompt_index": r.prompt_index,
+                    "new_tokens": r.new_tokens,
+                    "total_s": r.total_s,
+                    "prefill_s": r.prefill_s,
+                    "draft_s": r.draft_s,
+                    "verify_s": r.verify_s,
+                    "accepted": r.accepted,
+                    "committed": r.committed,
+                    "verified": r.verified,
+                    "lookup_cycles": r.lookup_cycles,
+                    "tokens": r.tokens,
+                }
+            )
+            + "\n"
+            for r in runs
+        ),
+    )
     made = write_plots(results, out) if plots else None
     if plots:
         if made is None:
@@ -317,14 +414,18 @@ def _versions() -> dict:
         except PackageNotFoundError:
             return None
 
-    return {"dominospec": __version__, "torch": torch.__version__, "transformers": installed("transformers"),
-            "python": platform.python_version()}
+    return {
+        "dominospec": __version__,
+        "torch": torch.__version__,
+        "transformers": installed("transformers"),
+        "python": platform.python_version(),
+    }
 
 
 # ----- prompt files -----
 
-def load_prompt_sets(paths: Sequence[str], target, limit: int | None = None,
-                     report=None) -> dict[str, list[list[int]]]:
+
+def load_prompt_sets(paths: Sequence[str], target, limit: int | None = None, report=None) -> dict[str, list[list[int]]]:
     """One dataset per file, named after its stem; prompts chat-templated into token ids.
 
     A prompt that leaves no answer room in the target's context is reported as FILE:LINE and left out.
@@ -335,21 +436,23 @@ def load_prompt_sets(paths: Sequence[str], target, limit: int | None = None,
         conversations = read_prompt_file(p, source=str(p), report=report)[:limit]  # ids: FILE:LINE
         prompts = []
         for conv in conversations:
-            ids, too_long = encode_if_fits(conv.turns[0], target.encode_chat, target.max_positions,
-                                           target.max_token_chars)
+            ids, too_long = encode_if_fits(
+                conv.turns[0], target.encode_chat, target.max_positions, target.max_token_chars
+            )
             if too_long:
                 report(f"{conv.id}: prompt {too_long}; skipped")
             else:
                 prompts.append(ids)
         if not prompts:
-            raise DominoError(f"--prompts {p}: no usable prompts (expected JSONL with 'turns', 'conversations', "
-                              "'messages' or 'prompt', short enough for the target's context)")
+            raise DominoError(
+                f"--prompts {p}: no usable prompts (expected JSONL with 'turns', 'conversations', "
+                "'messages' or 'prompt', short enough for the target's context)"
+            )
         name, n = Path(p).stem, 2
         while name in datasets:
             name, n = f"{Path(p).stem}-{n}", n + 1
         datasets[name] = prompts
     return datasets
-
 
 
 def save_acceptance(results: dict, methods: Sequence[Method]) -> list[Path]:
@@ -358,17 +461,31 @@ def save_acceptance(results: dict, methods: Sequence[Method]) -> list[Path]:
     written = []
     for m in methods:
         d = m.drafter
-        if (m.kind != "drafter" or not m.use_head or getattr(d, "source_dir", None) is None
-                or (m.policy is not None and m.policy.name != "fixed") or m.lookup_min_match is not None):
+        if (
+            m.kind != "drafter"
+            or not m.use_head
+            or sidecar_path(d, ACCEPTANCE_NAME) is None
+            or (m.policy is not None and m.policy.name != "fixed")
+            or m.lookup_min_match is not None
+        ):
             continue
         summary = results["methods"][m.name]
         if results["config"]["temperature"] != 0 or summary["block_size"] != d.config.block_size:
             continue
-        path = Path(d.source_dir) / ACCEPTANCE_NAME
+        path = sidecar_path(d, ACCEPTANCE_NAME)
         cond = [p if p is not None else 0.0 for p in summary["accept_conditional"]]
-        write_json_atomic(path, {"conditional": cond, "tau": summary["tau"], "cycles": summary["cycles"],
-                                 "measured_by": "dominospec bench (greedy)", "target": results["config"]["target"],
-                                 "datasets": results["config"]["datasets"],
-                                 "max_new_tokens": results["config"]["max_new_tokens"]}, indent=2)
+        write_json_atomic(
+            path,
+            {
+                "conditional": cond,
+                "tau": summary["tau"],
+                "cycles": summary["cycles"],
+                "measured_by": "dominospec bench (greedy)",
+                "target": results["config"]["target"],
+                "datasets": results["config"]["datasets"],
+                "max_new_tokens": results["config"]["max_new_tokens"],
+            },
+            indent=2,
+        )
         written.append(path)
     return written

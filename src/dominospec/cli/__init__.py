@@ -17,8 +17,10 @@ SUBCOMMANDS = [generate, init, prepare, train, calibrate, bench, profile]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dominospec", description="Domino speculative decoding for Hugging Face "
-                                     "causal LMs: faster generation, identical output.")
+    parser = argparse.ArgumentParser(
+        prog="dominospec",
+        description="Domino speculative decoding for Hugging Face causal LMs: faster generation, identical output.",
+    )
     parser.add_argument("--version", action="version", version=f"dominospec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:

@@ -35,8 +35,16 @@ def cmd_bench(args) -> int:
     if not args.prompts and not args.profile:
         raise DominoError("nothing to do: give --prompts FILE.jsonl (one or more), --profile, or both")
     # arguments and the output directory first: nothing is loaded or run before they are sound
-    require_at_least(args, 1, "max_new_tokens", "limit", "context", "max_k", "repeats",
-                     *(["block_size"] if args.block_size != "auto" else []))
+    require_at_least(
+        args,
+        1,
+        "max_new_tokens",
+        "limit",
+        "context",
+        "max_k",
+        "repeats",
+        *(["block_size"] if args.block_size != "auto" else []),
+    )
     groups = parse_methods(args.methods)
     verify = parse_verify(args.verify)
     check_verify_args(args)
@@ -48,8 +56,10 @@ def cmd_bench(args) -> int:
     warn_if_reduced_precision(target)
 
     if args.profile:
-        log(f"profiling verify cost: 1..{args.max_k} new tokens after a {args.context}-token context, "
-            f"median of {args.repeats}")
+        log(
+            f"profiling verify cost: 1..{args.max_k} new tokens after a {args.context}-token context, "
+            f"median of {args.repeats}"
+        )
         table = profile_verify_cost(target, args.context, args.max_k, args.repeats, args.seed)
         write_verify_cost(table, out, plots=not args.no_plots)
         print(format_verify_cost(table))
@@ -71,21 +81,46 @@ def cmd_bench(args) -> int:
             b, note = auto_block_size(target, d)
             block_size[source] = max(1, b)  # the benchmark measures the drafter even where plain wins
             log(f"{source}: {note}")
-    methods, notes = build_methods(groups, drafters, block_size, verify, target, threshold=args.confidence_threshold,
-                                   lookup_min_match=args.lookup_min_match)
+    methods, notes = build_methods(
+        groups,
+        drafters,
+        block_size,
+        verify,
+        target,
+        threshold=args.confidence_threshold,
+        lookup_min_match=args.lookup_min_match,
+    )
     for n in notes:
         log(n)
     datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
-    log(f"benchmarking {', '.join(m.name for m in methods)} on "
-        + ", ".join(f"{d} ({len(p)})" for d, p in datasets.items()))
-    results = benchmark(target, datasets, methods, out, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                        seed=args.seed, warmup=not args.no_warmup, plots=not args.no_plots, notes=notes,
-                        config={"prompt_files": [str(p) for p in args.prompts], "limit": args.limit,
-                                "block_size": args.block_size, "verify": verify})
+    log(
+        f"benchmarking {', '.join(m.name for m in methods)} on "
+        + ", ".join(f"{d} ({len(p)})" for d, p in datasets.items())
+    )
+    results = benchmark(
+        target,
+        datasets,
+        methods,
+        out,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=args.seed,
+        warmup=not args.no_warmup,
+        plots=not args.no_plots,
+        notes=notes,
+        config={
+            "prompt_files": [str(p) for p in args.prompts],
+            "limit": args.limit,
+            "block_size": args.block_size,
+            "verify": verify,
+        },
+    )
     for m in results["methods"].values():
         for x in m.get("mismatched_prompts", []):
-            log(f"MISMATCH {x['method']}: {x['dataset']} prompt {x['prompt_index']} differs from ar at token "
-                f"{x['first_diff']}")
+            log(
+                f"MISMATCH {x['method']}: {x['dataset']} prompt {x['prompt_index']} differs from ar at token "
+                f"{x['first_diff']}"
+            )
     if args.save_acceptance:
         for path in save_acceptance(results, methods):
             log(f"wrote {path} (read by --block-size auto)")
@@ -93,48 +128,76 @@ def cmd_bench(args) -> int:
     log(f"wrote {out / 'results.json'} and {out / 'report.md'}")
     bad = {n: m["not_near_tie"] for n, m in results["methods"].items() if m.get("not_near_tie")}
     if bad:
-        raise DominoError(f"outputs differ from the target's own choices by more than a near-tie: {bad} tokens "
-                          "(a bug, not rounding); see report.md")
+        raise DominoError(
+            f"outputs differ from the target's own choices by more than a near-tie: {bad} tokens "
+            "(a bug, not rounding); see report.md"
+        )
     return 0
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "bench", help="benchmark speedup, tau, acceptance and losslessness against plain decoding",
+        "bench",
+        help="benchmark speedup, tau, acceptance and losslessness against plain decoding",
         description="Run plain decoding (ar, the reference), transformers generate (hf), transformers prompt lookup "
-                    "(pld), each drafter with each --verify policy and without its sequential head, dominospec's "
-                    "own prompt lookup and the drafter + lookup hybrid on the same prompts, interleaved per prompt "
-                    "after a warm-up; write DIR/results.json, report.md and plots. With --profile, also measure "
-                    "the target's verify cost for 1..K new tokens (DIR/verify_cost.json).")
-    p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
-                   help="prompt file (repeatable); one dataset per file, named after its stem; the first user turn "
-                        "of each conversation is the prompt")
+        "(pld), each drafter with each --verify policy and without its sequential head, dominospec's "
+        "own prompt lookup and the drafter + lookup hybrid on the same prompts, interleaved per prompt "
+        "after a warm-up; write DIR/results.json, report.md and plots. With --profile, also measure "
+        "the target's verify cost for 1..K new tokens (DIR/verify_cost.json).",
+    )
+    p.add_argument(
+        "--prompts",
+        action="append",
+        default=[],
+        metavar="FILE.jsonl",
+        help="prompt file (repeatable); one dataset per file, named after its stem; the first user turn "
+        "of each conversation is the prompt",
+    )
     add_target_args(p)
-    p.add_argument("--drafter", action="append", default=[], metavar="DIR",
-                   help="drafter directory (repeatable; default: the one shipped for the bundled target)")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list of ar, hf, pld, drafters, ablation (drafters without their head), lookup "
-                        "(prompt lookup alone, on the native path), hybrid (each drafter + prompt lookup), sweep "
-                        "(each drafter at every smaller fixed block size) (default %(default)s)")
+    p.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="drafter directory (repeatable; default: the one shipped for the bundled target)",
+    )
+    p.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help="comma list of ar, hf, pld, drafters, ablation (drafters without their head), lookup "
+        "(prompt lookup alone, on the native path), hybrid (each drafter + prompt lookup), sweep "
+        "(each drafter at every smaller fixed block size) (default %(default)s)",
+    )
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
-    p.add_argument("--block-size", type=block_size_arg, default=None,
-                   help="drafts per cycle: a number, or auto (per drafter, from `dominospec profile` and its "
-                        "acceptance.json); default: each drafter's own")
-    p.add_argument("--save-acceptance", action="store_true",
-                   help="write each drafter's measured conditional acceptance by position into its directory "
-                        "(acceptance.json, what --block-size auto reads); needs greedy runs at the full block size")
+    p.add_argument(
+        "--block-size",
+        type=block_size_arg,
+        default=None,
+        help="drafts per cycle: a number, or auto (per drafter, from `dominospec profile` and its "
+        "acceptance.json); default: each drafter's own",
+    )
+    p.add_argument(
+        "--save-acceptance",
+        action="store_true",
+        help="write each drafter's measured conditional acceptance by position into its directory "
+        "(acceptance.json, what --block-size auto reads); needs greedy runs at the full block size",
+    )
     add_verify_args(p, several=True)
     add_sampling_args(p)
     p.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up run of each method")
     p.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     g = p.add_argument_group("verify cost profile")
-    g.add_argument("--profile", action="store_true",
-                   help="measure one target forward over k = 1..K new tokens after a cached context "
-                        "(the cost table a scheduler uses); runs before the benchmark when --prompts is given too")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="measure one target forward over k = 1..K new tokens after a cached context "
+        "(the cost table a scheduler uses); runs before the benchmark when --prompts is given too",
+    )
     g.add_argument("--context", type=int, default=256, help="context length for --profile (default %(default)s)")
     g.add_argument("--max-k", type=int, default=16, help="largest k for --profile (default %(default)s)")
-    g.add_argument("--repeats", type=int, default=7, help="timed repeats per k; the median is kept "
-                                                            "(default %(default)s)")
+    g.add_argument(
+        "--repeats", type=int, default=7, help="timed repeats per k; the median is kept (default %(default)s)"
+    )
     p.set_defaults(func=cmd_bench)

@@ -29,12 +29,16 @@ def cmd_calibrate(args) -> int:
     target = target_from_args(args)
     drafter = Drafter.from_pretrained(args.drafter, target=target)
     if drafter.confidence is None:
-        raise DominoError(f"--drafter {args.drafter} has no confidence head: nothing to calibrate (make it with "
-                          "`dominospec init/train --confidence-head`)")
+        raise DominoError(
+            f"--drafter {args.drafter} has no confidence head: nothing to calibrate (make it with "
+            "`dominospec init/train --confidence-head`)"
+        )
     datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
     prompts = [ids for ps in datasets.values() for ids in ps]
-    log(f"calibrating on {len(prompts)} prompts, {args.max_new_tokens} new tokens each, "
-        f"T={sampling.temperature}, every draft verified")
+    log(
+        f"calibrating on {len(prompts)} prompts, {args.max_new_tokens} new tokens each, "
+        f"T={sampling.temperature}, every draft verified"
+    )
     result = calibrate(target, drafter, prompts, args.max_new_tokens, sampling, args.seed)
     result["prompt_files"] = [str(p) for p in args.prompts]
     path = write_calibration(out, result)
@@ -50,15 +54,22 @@ def cmd_calibrate(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "calibrate", help="calibrate a drafter's confidence head (Sequential Temperature Scaling)",
+        "calibrate",
+        help="calibrate a drafter's confidence head (Sequential Temperature Scaling)",
         description="Run the drafter against the target on prompts it was not trained on, with every draft "
-                    "verified; record each slot's confidence logit and whether the drafts up to it survived; fit "
-                    "one temperature per block position (STS) so the survival products are calibrated. Writes "
-                    "calibration.json (temperatures, ECE and AUROC per position before and after, the prompts' "
-                    "fingerprint) and calibration.png next to the drafter.")
+        "verified; record each slot's confidence logit and whether the drafts up to it survived; fit "
+        "one temperature per block position (STS) so the survival products are calibrated. Writes "
+        "calibration.json (temperatures, ECE and AUROC per position before and after, the prompts' "
+        "fingerprint) and calibration.png next to the drafter.",
+    )
     p.add_argument("--drafter", required=True, metavar="DIR", help="drafter directory with a confidence head")
-    p.add_argument("--prompts", action="append", default=[], metavar="FILE.jsonl",
-                   help="held-out prompt file (repeatable); the first user turn of each conversation is used")
+    p.add_argument(
+        "--prompts",
+        action="append",
+        default=[],
+        metavar="FILE.jsonl",
+        help="held-out prompt file (repeatable); the first user turn of each conversation is used",
+    )
     add_target_args(p)
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default %(default)s)")

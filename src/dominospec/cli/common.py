@@ -25,16 +25,27 @@ def require_at_least(args, minimum: int, *names: str) -> None:
 
 
 def add_target_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET,
-                   help=f"HF hub id, local model directory, or the bundled alias (default: {DEFAULT_TARGET})")
+    p.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"HF hub id, local model directory, or the bundled alias (default: {DEFAULT_TARGET})",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--backend", default="auto", choices=list(BACKENDS),
-                   help="target forward: native (Llama family: fused, pre-packed kernels), hf (transformers), "
-                        "auto = native where supported (default %(default)s)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default: OMP_NUM_THREADS or torch's choice; on a shared machine, "
-                        "fewer threads than busy cores gives steadier timings)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=list(BACKENDS),
+        help="target forward: native (Llama family: fused, pre-packed kernels), hf (transformers), "
+        "auto = native where supported (default %(default)s)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: OMP_NUM_THREADS or torch's choice; on a shared machine, "
+        "fewer threads than busy cores gives steadier timings)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -58,9 +69,15 @@ def add_arch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gru-hidden-size", type=int, default=256, help="Domino GRU width (default %(default)s)")
     p.add_argument("--rank", type=int, default=64, help="low-rank correction rank (default %(default)s)")
     p.add_argument("--confidence-head", action="store_true", help="add a DSpark confidence head")
-    p.add_argument("--mask-token-id", type=int, default=None,
-                   help="an unused vocabulary id as MASK (default: a learned mask vector)")
-    p.add_argument("--layer-ids", default=None, help="target feature layers, e.g. 1,8,14,20,27 (default: evenly spaced)")
+    p.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="an unused vocabulary id as MASK (default: a learned mask vector)",
+    )
+    p.add_argument(
+        "--layer-ids", default=None, help="target feature layers, e.g. 1,8,14,20,27 (default: evenly spaced)"
+    )
 
 
 def check_arch_args(args) -> None:
@@ -73,9 +90,16 @@ def arch_from_args(args, target) -> dict:
     """DrafterConfig fields from --head/--layers/...; --layer-ids also sets the target's feature layers."""
     if args.layer_ids:
         target.layer_ids = parse_layer_ids(args.layer_ids, target.num_layers)
-    return dict(head=args.head, num_layers=args.layers, block_size=args.block_size,
-                intermediate_size=args.intermediate_size, gru_hidden_size=args.gru_hidden_size, rank=args.rank,
-                confidence_head=args.confidence_head, mask_token_id=args.mask_token_id)
+    return dict(
+        head=args.head,
+        num_layers=args.layers,
+        block_size=args.block_size,
+        intermediate_size=args.intermediate_size,
+        gru_hidden_size=args.gru_hidden_size,
+        rank=args.rank,
+        confidence_head=args.confidence_head,
+        mask_token_id=args.mask_token_id,
+    )
 
 
 def block_size_arg(text: str) -> int | str:
@@ -90,9 +114,11 @@ def block_size_arg(text: str) -> int | str:
 
 def warn_if_reduced_precision(target) -> None:
     if target.dtype not in (torch.float32, torch.float64):
-        log_once(f"{str(target.dtype).replace('torch.', '')}: greedy speculative output equals plain greedy output "
-                 "only up to numerics (batch-shape rounding can flip near-tied tokens); use --dtype float32 for "
-                 "token-identical output")
+        log_once(
+            f"{str(target.dtype).replace('torch.', '')}: greedy speculative output equals plain greedy output "
+            "only up to numerics (batch-shape rounding can flip near-tied tokens); use --dtype float32 for "
+            "token-identical output"
+        )
 
 
 def target_from_args(args):
@@ -121,22 +147,37 @@ LOOKUP = "lookup"  # --drafter lookup: prompt lookup alone, no trained drafter
 def add_verify_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     """--verify, --confidence-threshold, --lookup-min-match (the verify-length policy and the lookup proposer)."""
     if several:
-        p.add_argument("--verify", default="fixed,static,cost",
-                       help="comma list of verify-length policies to run each drafter (and hybrid) with: fixed "
-                            "(every draft), static (stop before the first slot under --confidence-threshold), "
-                            "cost (stop where expected tokens/s stops rising; needs `dominospec profile`); "
-                            "static and cost are skipped for drafters without a confidence head (default %(default)s)")
+        p.add_argument(
+            "--verify",
+            default="fixed,static,cost",
+            help="comma list of verify-length policies to run each drafter (and hybrid) with: fixed "
+            "(every draft), static (stop before the first slot under --confidence-threshold), "
+            "cost (stop where expected tokens/s stops rising; needs `dominospec profile`); "
+            "static and cost are skipped for drafters without a confidence head (default %(default)s)",
+        )
     else:
-        p.add_argument("--verify", default="fixed", choices=("fixed", "static", "cost"),
-                       help="how many drafts to verify per cycle: fixed (all), static (stop before the first slot "
-                            "whose calibrated confidence is under --confidence-threshold), cost (stop where the "
-                            "expected tokens/s from the calibrated confidences and the device profile stops "
-                            "rising); static and cost need a drafter with a confidence head (default %(default)s)")
-    p.add_argument("--confidence-threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help="for --verify static, in (0, 1) (default %(default)s)")
-    p.add_argument("--lookup-min-match", type=int, default=HYBRID_MIN_MATCH,
-                   help="a hybrid (drafter + prompt lookup) copies from the context when the last N tokens "
-                        "occurred there before (default %(default)s)")
+        p.add_argument(
+            "--verify",
+            default="fixed",
+            choices=("fixed", "static", "cost"),
+            help="how many drafts to verify per cycle: fixed (all), static (stop before the first slot "
+            "whose calibrated confidence is under --confidence-threshold), cost (stop where the "
+            "expected tokens/s from the calibrated confidences and the device profile stops "
+            "rising); static and cost need a drafter with a confidence head (default %(default)s)",
+        )
+    p.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=DEFAULT_THRESHOLD,
+        help="for --verify static, in (0, 1) (default %(default)s)",
+    )
+    p.add_argument(
+        "--lookup-min-match",
+        type=int,
+        default=HYBRID_MIN_MATCH,
+        help="a hybrid (drafter + prompt lookup) copies from the context when the last N tokens "
+        "occurred there before (default %(default)s)",
+    )
 
 
 def check_verify_args(args) -> None:

@@ -28,7 +28,7 @@ from .common import (
 def cmd_generate(args) -> int:
     # arguments first: a mistake is reported before any model loads
     if not args.prompt.strip():
-        raise DominoError("PROMPT is empty: give the message to answer, e.g. dominospec generate \"Hello\"")
+        raise DominoError('PROMPT is empty: give the message to answer, e.g. dominospec generate "Hello"')
     require_at_least(args, 1, "max_new_tokens", *(["block_size"] if args.block_size != "auto" else []))
     check_verify_args(args)
     sampling = sampling_from_args(args)
@@ -36,8 +36,10 @@ def cmd_generate(args) -> int:
     target = target_from_args(args)
     drafter = None if lookup_only else resolve_drafter(target, args.drafter, args.no_draft)
     if drafter is None and not args.no_draft and not lookup_only:
-        log("no drafter given and none is shipped for this target: plain decoding "
-            "(train one with `dominospec train`, pass --drafter DIR, or --drafter lookup)")
+        log(
+            "no drafter given and none is shipped for this target: plain decoding "
+            "(train one with `dominospec train`, pass --drafter DIR, or --drafter lookup)"
+        )
     warn_if_reduced_precision(target)
     block_size = args.block_size
     if block_size == "auto":
@@ -52,10 +54,18 @@ def cmd_generate(args) -> int:
     lookup = PromptLookup(min_match=args.lookup_min_match) if lookup_only or (args.lookup and drafter) else None
     policy = None
     if drafter is not None or lookup is not None:
-        policy = make_policy(args.verify, drafter, target, args.confidence_threshold, block_size=block_size,
-                             lookup=lookup is not None, report=log)
-    prompt_ids, too_long = encode_if_fits(args.prompt, target.encode_raw if args.raw else target.encode_chat,
-                                          target.max_positions, target.max_token_chars)
+        policy = make_policy(
+            args.verify,
+            drafter,
+            target,
+            args.confidence_threshold,
+            block_size=block_size,
+            lookup=lookup is not None,
+            report=log,
+        )
+    prompt_ids, too_long = encode_if_fits(
+        args.prompt, target.encode_raw if args.raw else target.encode_chat, target.max_positions, target.max_token_chars
+    )
     if too_long:
         raise DominoError(f"PROMPT {too_long}")
     stream = None
@@ -65,14 +75,25 @@ def cmd_generate(args) -> int:
         def stream(tokens):
             shown["ids"].extend(tokens)
             text = target.decode(shown["ids"])
-            sys.stdout.write(text[shown["printed"]:])
+            sys.stdout.write(text[shown["printed"] :])
             sys.stdout.flush()
             shown["printed"] = len(text)
+
     if drafter is None and lookup is None:
         res = generate_autoregressive(target, prompt_ids, args.max_new_tokens, sampling, args.seed, on_tokens=stream)
     else:
-        res = generate_speculative(target, drafter, prompt_ids, args.max_new_tokens, sampling, args.seed,
-                                   block_size=block_size, on_tokens=stream, verify=policy, lookup=lookup)
+        res = generate_speculative(
+            target,
+            drafter,
+            prompt_ids,
+            args.max_new_tokens,
+            sampling,
+            args.seed,
+            block_size=block_size,
+            on_tokens=stream,
+            verify=policy,
+            lookup=lookup,
+        )
     text = target.decode(res.tokens)
     for note in res.notes:
         log(note)
@@ -80,33 +101,54 @@ def cmd_generate(args) -> int:
         print(json.dumps(res.to_dict(text)))
         return 0
     tau = f", tau {res.tau:.2f} over {res.cycles} cycles (block {res.block_size})" if res.cycles else ""
-    mode = ("plain" if lookup is None else "lookup") if drafter is None else (
-        "hybrid" if lookup is not None else "speculative")
-    print(f"\n\n[{mode}] {res.new_tokens} tokens in {res.total_s:.2f}s = {res.tokens_per_s:.1f} tok/s{tau}",
-          file=sys.stderr)
+    mode = (
+        ("plain" if lookup is None else "lookup")
+        if drafter is None
+        else ("hybrid" if lookup is not None else "speculative")
+    )
+    print(
+        f"\n\n[{mode}] {res.new_tokens} tokens in {res.total_s:.2f}s = {res.tokens_per_s:.1f} tok/s{tau}",
+        file=sys.stderr,
+    )
     if res.cycles:
-        print(f"[{mode}] draft {res.draft_s:.2f}s, verify {res.verify_s:.2f}s, prefill {res.prefill_s:.2f}s; "
-              f"accepted per position {res.accepted_per_position}; verify {args.verify}: "
-              f"{res.verified_per_cycle:.2f} drafts verified, {res.wasted_per_cycle:.2f} rejected per cycle"
-              + (f"; {res.lookup_cycles} lookup cycles" if lookup is not None else ""), file=sys.stderr)
+        print(
+            f"[{mode}] draft {res.draft_s:.2f}s, verify {res.verify_s:.2f}s, prefill {res.prefill_s:.2f}s; "
+            f"accepted per position {res.accepted_per_position}; verify {args.verify}: "
+            f"{res.verified_per_cycle:.2f} drafts verified, {res.wasted_per_cycle:.2f} rejected per cycle"
+            + (f"; {res.lookup_cycles} lookup cycles" if lookup is not None else ""),
+            file=sys.stderr,
+        )
     return 0
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with speculative decoding",
-                       description="Generate a reply to PROMPT (chat template applied) with Domino speculative "
-                                   "decoding; prints the text, tokens/s and tau.")
+    p = sub.add_parser(
+        "generate",
+        help="generate text with speculative decoding",
+        description="Generate a reply to PROMPT (chat template applied) with Domino speculative "
+        "decoding; prints the text, tokens/s and tau.",
+    )
     p.add_argument("prompt", help="the user message")
     add_target_args(p)
-    p.add_argument("--drafter", help="drafter directory (default: the one shipped for the bundled target), or "
-                                     "lookup: prompt lookup alone, no trained drafter")
-    p.add_argument("--lookup", action="store_true",
-                   help="hybrid: copy the continuation from the prompt and the answer so far when the last "
-                        "--lookup-min-match tokens occurred there, use the drafter otherwise")
+    p.add_argument(
+        "--drafter",
+        help="drafter directory (default: the one shipped for the bundled target), or "
+        "lookup: prompt lookup alone, no trained drafter",
+    )
+    p.add_argument(
+        "--lookup",
+        action="store_true",
+        help="hybrid: copy the continuation from the prompt and the answer so far when the last "
+        "--lookup-min-match tokens occurred there, use the drafter otherwise",
+    )
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
-    p.add_argument("--block-size", type=block_size_arg, default=None,
-                   help="draft tokens per cycle (at most the drafter's), or auto: the best for this device from "
-                        "`dominospec profile` and the drafter's acceptance.json (default: the drafter's)")
+    p.add_argument(
+        "--block-size",
+        type=block_size_arg,
+        default=None,
+        help="draft tokens per cycle (at most the drafter's), or auto: the best for this device from "
+        "`dominospec profile` and the drafter's acceptance.json (default: the drafter's)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

@@ -14,8 +14,15 @@ from .common import add_target_args, require_at_least, target_from_args
 def cmd_prepare(args) -> int:
     # every argument is checked before anything is loaded or written
     shard_size = args.shard_size if args.shard_size is not None else SHARD_BATCHES * args.batch_size
-    cfg = PrepareConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, batch_size=args.batch_size, shard_size=shard_size)
+    cfg = PrepareConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        shard_size=shard_size,
+    )
     require_at_least(args, 1, "limit")
     ensure_writable_dir(args.out)
     if args.extend:
@@ -23,8 +30,9 @@ def cmd_prepare(args) -> int:
     target = None
     if is_self_written(args.prompts):  # the target writes some prompts itself: load it first
         target = target_from_args(args)
-    conversations, sources = load_prompts(args.prompts, seed=args.seed, limit=args.limit,
-                                          on_error=args.on_error, report=log, target=target)
+    conversations, sources = load_prompts(
+        args.prompts, seed=args.seed, limit=args.limit, on_error=args.on_error, report=log, target=target
+    )
     turns = sum(len(c.turns) for c in conversations)
     log(f"{len(conversations)} conversations ({turns} user turns) from {len(sources)} source(s)")
     target = target or target_from_args(args)
@@ -34,39 +42,59 @@ def cmd_prepare(args) -> int:
     if args.extend:
         entry = add_part(args.extend, args.out, conversations, exist_ok=True)
         total = read_manifest(args.extend)["counts"]
-        log(f"{args.extend}: {entry['name']} holds this run ({entry['counts']['samples']} samples); the data set now "
-            f"has {total['samples']} samples, {total['tokens']} tokens ({total['supervised_tokens']} supervised)")
+        log(
+            f"{args.extend}: {entry['name']} holds this run ({entry['counts']['samples']} samples); the data set now "
+            f"has {total['samples']} samples, {total['tokens']} tokens ({total['supervised_tokens']} supervised)"
+        )
     return 0
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "prepare-data", help="regenerate prompts' answers with the target (on-policy training data)",
+        "prepare-data",
+        help="regenerate prompts' answers with the target (on-policy training data)",
         description="Let TARGET answer every user turn of the prompts (chat template, thinking off, sampled) "
-                    "and write token ids with an assistant-only loss mask to OUT, ready for `dominospec train`. "
-                    "Killed runs resume where they stopped when rerun with the same arguments.")
+        "and write token ids with an assistant-only loss mask to OUT, ready for `dominospec train`. "
+        "Killed runs resume where they stopped when rerun with the same arguments.",
+    )
     add_target_args(p)
-    p.add_argument("--prompts", action="append", required=True, metavar="SOURCE",
-                   help="a JSONL file (turns / ShareGPT conversations / messages / prompt layouts), "
-                        "builtin:N (offline prompts from the Python stdlib, math templates, man pages), "
-                        "self:N (questions the target writes itself, deduplicated, degenerate ones dropped) or "
-                        "hf:NAME[:SPLIT]; repeat to mix sources")
+    p.add_argument(
+        "--prompts",
+        action="append",
+        required=True,
+        metavar="SOURCE",
+        help="a JSONL file (turns / ShareGPT conversations / messages / prompt layouts), "
+        "builtin:N (offline prompts from the Python stdlib, math templates, man pages), "
+        "self:N (questions the target writes itself, deduplicated, degenerate ones dropped) or "
+        "hf:NAME[:SPLIT]; repeat to mix sources",
+    )
     p.add_argument("--out", required=True, help="output directory (created; an existing one is resumed)")
-    p.add_argument("--extend", default=None, metavar="DATASET",
-                   help="when the run is complete, add it to this data set (created if new) as its next compact part "
-                        "(uint16 token ids in compressed shards, the prompts, a manifest); earlier parts stay byte "
-                        "for byte as they were, and a run made by another target or tokenizer is refused. "
-                        "`train --data DATASET` reads every part")
+    p.add_argument(
+        "--extend",
+        default=None,
+        metavar="DATASET",
+        help="when the run is complete, add it to this data set (created if new) as its next compact part "
+        "(uint16 token ids in compressed shards, the prompts, a manifest); earlier parts stay byte "
+        "for byte as they were, and a run made by another target or tokenizer is refused. "
+        "`train --data DATASET` reads every part",
+    )
     p.add_argument("--limit", type=int, default=None, help="keep the first N conversations overall")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=0.8, help="nucleus sampling mass (default %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="conversations generated together (default %(default)s)")
-    p.add_argument("--shard-size", type=int, default=None,
-                   help=f"conversations per shard file, a multiple of --batch-size (default {SHARD_BATCHES} batches)")
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help=f"conversations per shard file, a multiple of --batch-size (default {SHARD_BATCHES} batches)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed, also picks the builtin prompts (default 0)")
-    p.add_argument("--on-error", choices=("skip", "fatal"), default="skip",
-                   help="malformed prompt lines and prompts too long for the target's context: report and "
-                        "skip (default), or stop")
+    p.add_argument(
+        "--on-error",
+        choices=("skip", "fatal"),
+        default="skip",
+        help="malformed prompt lines and prompts too long for the target's context: report and skip (default), or stop",
+    )
     p.set_defaults(func=cmd_prepare)

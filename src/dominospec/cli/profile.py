@@ -21,8 +21,11 @@ def cmd_profile(args) -> int:
     out = ensure_writable_dir(args.out) if args.out else None
     target = target_from_args(args)
     drafter = resolve_drafter(target, args.drafter, args.no_draft)
-    log(f"profiling {target.name} ({target.backend}, {str(target.dtype).replace('torch.', '')}): verify of "
-        f"1..{args.max_k} tokens at contexts {contexts}" + (", and the drafter's cost per block size" if drafter else ""))
+    log(
+        f"profiling {target.name} ({target.backend}, {str(target.dtype).replace('torch.', '')}): verify of "
+        f"1..{args.max_k} tokens at contexts {contexts}"
+        + (", and the drafter's cost per block size" if drafter else "")
+    )
     table = profile_device(target, drafter, contexts, args.max_k, args.repeats, args.seed)
     path = save_profile(table)
     print(format_device_profile(table))
@@ -37,18 +40,22 @@ def cmd_profile(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help="measure decode / verify / draft cost on this device",
-                       description="Measure one decode step, one verify of k = 1..K new tokens at a few context "
-                                   "lengths and (with a drafter) the draft cost per block size, for this device, "
-                                   "backend, dtype and thread count. The table is stored in the cache directory, "
-                                   "keyed by that fingerprint; `--block-size auto` reads it.")
+    p = sub.add_parser(
+        "profile",
+        help="measure decode / verify / draft cost on this device",
+        description="Measure one decode step, one verify of k = 1..K new tokens at a few context "
+        "lengths and (with a drafter) the draft cost per block size, for this device, "
+        "backend, dtype and thread count. The table is stored in the cache directory, "
+        "keyed by that fingerprint; `--block-size auto` reads it.",
+    )
     add_target_args(p)
     p.add_argument("--drafter", help="drafter directory (default: the one shipped for the bundled target)")
     p.add_argument("--no-draft", action="store_true", help="profile the target only")
     p.add_argument("--contexts", default="256,1024", help="context lengths (default %(default)s)")
     p.add_argument("--max-k", type=int, default=17, help="largest number of new tokens (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats per size; medians are kept "
-                                                            "(default %(default)s)")
+    p.add_argument(
+        "--repeats", type=int, default=7, help="timed repeats per size; medians are kept (default %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write profile.json and profile.png here")
     p.set_defaults(func=cmd_profile)

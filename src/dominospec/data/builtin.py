@@ -22,10 +22,10 @@ import inspect
 import random
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
 
 from .prompts import Conversation
 
@@ -34,49 +34,192 @@ MAX_PROMPT_CHARS = 1500
 
 # Fixed so the built-in set is the same on every machine with the same Python version.
 CODE_MODULES = [
-    "argparse", "base64", "bisect", "calendar", "colorsys", "collections", "configparser", "contextlib",
-    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "enum", "filecmp", "fnmatch",
-    "fractions", "functools", "glob", "graphlib", "gzip", "hashlib", "heapq", "html", "ipaddress",
-    "itertools", "json", "keyword", "linecache", "math", "mimetypes", "operator", "os.path", "pathlib",
-    "pprint", "queue", "quopri", "random", "re", "sched", "secrets", "shlex", "shutil", "statistics",
-    "string", "tempfile", "textwrap", "tokenize", "typing", "urllib.parse", "uuid", "zipfile",
+    "argparse",
+    "base64",
+    "bisect",
+    "calendar",
+    "colorsys",
+    "collections",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "enum",
+    "filecmp",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "glob",
+    "graphlib",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "html",
+    "ipaddress",
+    "itertools",
+    "json",
+    "keyword",
+    "linecache",
+    "math",
+    "mimetypes",
+    "operator",
+    "os.path",
+    "pathlib",
+    "pprint",
+    "queue",
+    "quopri",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shlex",
+    "shutil",
+    "statistics",
+    "string",
+    "tempfile",
+    "textwrap",
+    "tokenize",
+    "typing",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
 ]
 MIX = {"code": 8, "math": 7, "chat": 5}  # slots out of 20: 40% / 35% / 25%
 
 GENERAL_TOPICS = [
-    "photosynthesis", "compound interest", "inflation", "the water cycle", "plate tectonics",
-    "how vaccines train the immune system", "black holes", "the greenhouse effect", "supply and demand",
-    "natural selection", "how a bill becomes a law", "the Pythagorean theorem", "probability",
-    "DNA replication", "electric circuits", "how the internet routes packets", "public-key cryptography",
-    "machine learning", "the placebo effect", "opportunity cost", "the scientific method",
-    "ocean tides", "the Doppler effect", "how batteries store energy", "entropy", "the stock market",
-    "recursion", "version control", "cloud computing", "the French Revolution", "the Renaissance",
-    "the Silk Road", "how airplanes fly", "the immune system", "nutrition labels", "sleep cycles",
-    "climate versus weather", "renewable energy", "nuclear fission", "the speed of light",
-    "exponential growth", "statistics sampling bias", "how search engines rank pages", "blockchains",
-    "a balanced budget", "the periodic table", "gravity", "magnetism", "volcanoes", "antibiotic resistance",
-    "how credit scores work", "the difference between a virus and a bacterium", "time zones",
-    "how compilers work", "databases and indexes", "the Fibonacci sequence", "prime numbers",
-    "the Big Bang", "how memory works in the brain", "interest rates",
+    "photosynthesis",
+    "compound interest",
+    "inflation",
+    "the water cycle",
+    "plate tectonics",
+    "how vaccines train the immune system",
+    "black holes",
+    "the greenhouse effect",
+    "supply and demand",
+    "natural selection",
+    "how a bill becomes a law",
+    "the Pythagorean theorem",
+    "probability",
+    "DNA replication",
+    "electric circuits",
+    "how the internet routes packets",
+    "public-key cryptography",
+    "machine learning",
+    "the placebo effect",
+    "opportunity cost",
+    "the scientific method",
+    "ocean tides",
+    "the Doppler effect",
+    "how batteries store energy",
+    "entropy",
+    "the stock market",
+    "recursion",
+    "version control",
+    "cloud computing",
+    "the French Revolution",
+    "the Renaissance",
+    "the Silk Road",
+    "how airplanes fly",
+    "the immune system",
+    "nutrition labels",
+    "sleep cycles",
+    "climate versus weather",
+    "renewable energy",
+    "nuclear fission",
+    "the speed of light",
+    "exponential growth",
+    "statistics sampling bias",
+    "how search engines rank pages",
+    "blockchains",
+    "a balanced budget",
+    "the periodic table",
+    "gravity",
+    "magnetism",
+    "volcanoes",
+    "antibiotic resistance",
+    "how credit scores work",
+    "the difference between a virus and a bacterium",
+    "time zones",
+    "how compilers work",
+    "databases and indexes",
+    "the Fibonacci sequence",
+    "prime numbers",
+    "the Big Bang",
+    "how memory works in the brain",
+    "interest rates",
 ]
 
-NAMES = ["Ava", "Liam", "Noah", "Mia", "Omar", "Priya", "Chen", "Sofia", "Mateo", "Zara", "Kenji", "Amara",
-         "Lucas", "Ines", "Ravi", "Elena", "Tariq", "Hana", "Diego", "Freya", "Kwame", "Yuki", "Nadia",
-         "Samuel", "Leila", "Oscar", "Maya", "Felix", "Aisha", "Jonas"]
-ITEMS = [("apple", "apples"), ("notebook", "notebooks"), ("marble", "marbles"), ("cupcake", "cupcakes"),
-         ("pencil", "pencils"), ("sticker", "stickers"), ("book", "books"), ("orange", "oranges"),
-         ("toy car", "toy cars"), ("seashell", "seashells"), ("cookie", "cookies"), ("stamp", "stamps"),
-         ("plant", "plants"), ("comic", "comics"), ("balloon", "balloons"), ("candle", "candles")]
-ASK = ["Solve it step by step.", "Show your reasoning step by step, then give the final answer.",
-       "Work through the problem step by step.", "Explain each step of your solution.",
-       "Think step by step and state the answer at the end."]
+NAMES = [
+    "Ava",
+    "Liam",
+    "Noah",
+    "Mia",
+    "Omar",
+    "Priya",
+    "Chen",
+    "Sofia",
+    "Mateo",
+    "Zara",
+    "Kenji",
+    "Amara",
+    "Lucas",
+    "Ines",
+    "Ravi",
+    "Elena",
+    "Tariq",
+    "Hana",
+    "Diego",
+    "Freya",
+    "Kwame",
+    "Yuki",
+    "Nadia",
+    "Samuel",
+    "Leila",
+    "Oscar",
+    "Maya",
+    "Felix",
+    "Aisha",
+    "Jonas",
+]
+ITEMS = [
+    ("apple", "apples"),
+    ("notebook", "notebooks"),
+    ("marble", "marbles"),
+    ("cupcake", "cupcakes"),
+    ("pencil", "pencils"),
+    ("sticker", "stickers"),
+    ("book", "books"),
+    ("orange", "oranges"),
+    ("toy car", "toy cars"),
+    ("seashell", "seashells"),
+    ("cookie", "cookies"),
+    ("stamp", "stamps"),
+    ("plant", "plants"),
+    ("comic", "comics"),
+    ("balloon", "balloons"),
+    ("candle", "candles"),
+]
+ASK = [
+    "Solve it step by step.",
+    "Show your reasoning step by step, then give the final answer.",
+    "Work through the problem step by step.",
+    "Explain each step of your solution.",
+    "Think step by step and state the answer at the end.",
+]
 
 
 def builtin_prompts(n: int, seed: int = 0) -> list[Conversation]:
     """n distinct single-turn prompts, mixed 40% code / 35% math / 25% chat, deterministic in seed."""
     rng = random.Random(seed)
-    pools = {"code": iter(_shuffled(_code_prompts(), rng)), "math": _math_prompts(rng),
-             "chat": iter(_shuffled(_chat_prompts(), rng))}
+    pools = {
+        "code": iter(_shuffled(_code_prompts(), rng)),
+        "math": _math_prompts(rng),
+        "chat": iter(_shuffled(_chat_prompts(), rng)),
+    }
     pattern = [kind for kind, slots in MIX.items() for _ in range(slots)]
     rng.shuffle(pattern)
     seen: set[str] = set()
@@ -107,14 +250,15 @@ def _shuffled(items: list[str], rng: random.Random) -> list[str]:
 
 # -- code --
 
+
 @dataclass(frozen=True)
 class _StdlibObject:
     module: str
     name: str
-    kind: str        # "function" or "class"
-    sentence: str    # first sentence of the docstring
-    signature: str   # "(a, b=1)" or ""
-    source: str      # truncated source, "" for objects written in C
+    kind: str  # "function" or "class"
+    sentence: str  # first sentence of the docstring
+    signature: str  # "(a, b=1)" or ""
+    source: str  # truncated source, "" for objects written in C
 
 
 @lru_cache(maxsize=1)
@@ -163,8 +307,14 @@ def _describe(module, module_name: str, name: str, check_origin: bool) -> _Stdli
         signature = _stable_signature(str(inspect.signature(value))) if not inspect.isclass(value) else ""
     except (TypeError, ValueError):
         signature = ""
-    return _StdlibObject(module_name, name, "class" if inspect.isclass(value) else "function",
-                         sentence, signature, _source_snippet(value))
+    return _StdlibObject(
+        module_name,
+        name,
+        "class" if inspect.isclass(value) else "function",
+        sentence,
+        signature,
+        _source_snippet(value),
+    )
 
 
 _ADDRESS = r" at 0x[0-9a-fA-F]+"
@@ -207,13 +357,76 @@ def _source_snippet(value, max_lines: int = 40, max_chars: int = 1100) -> str:
     return "\n".join(kept)
 
 
-_VERBS = {"return", "compute", "convert", "create", "make", "get", "set", "remove", "read", "write", "split",
-          "join", "check", "test", "find", "build", "calculate", "encode", "decode", "parse", "format",
-          "generate", "open", "copy", "add", "apply", "construct", "call", "load", "search", "match",
-          "replace", "sort", "insert", "update", "wrap", "translate", "normalize", "escape", "quote",
-          "unquote", "compare", "count", "pack", "unpack", "register", "determine", "extract", "produce",
-          "choose", "shuffle", "merge", "indent", "dedent", "fill", "strip", "expand", "collapse", "delete",
-          "move", "rename", "yield", "raise", "decorate", "transform", "estimate", "locate", "list", "test"}
+_VERBS = {
+    "return",
+    "compute",
+    "convert",
+    "create",
+    "make",
+    "get",
+    "set",
+    "remove",
+    "read",
+    "write",
+    "split",
+    "join",
+    "check",
+    "test",
+    "find",
+    "build",
+    "calculate",
+    "encode",
+    "decode",
+    "parse",
+    "format",
+    "generate",
+    "open",
+    "copy",
+    "add",
+    "apply",
+    "construct",
+    "call",
+    "load",
+    "search",
+    "match",
+    "replace",
+    "sort",
+    "insert",
+    "update",
+    "wrap",
+    "translate",
+    "normalize",
+    "escape",
+    "quote",
+    "unquote",
+    "compare",
+    "count",
+    "pack",
+    "unpack",
+    "register",
+    "determine",
+    "extract",
+    "produce",
+    "choose",
+    "shuffle",
+    "merge",
+    "indent",
+    "dedent",
+    "fill",
+    "strip",
+    "expand",
+    "collapse",
+    "delete",
+    "move",
+    "rename",
+    "yield",
+    "raise",
+    "decorate",
+    "transform",
+    "estimate",
+    "locate",
+    "list",
+}
 
 
 def _third_person(sentence: str) -> str | None:
@@ -244,20 +457,35 @@ class _CodeTemplate:
         return self.needs in ("", obj.kind)
 
     def render(self, obj: _StdlibObject) -> str:
-        return self.text.format(module=obj.module, name=obj.name, sentence=obj.sentence, src=obj.source,
-                                sig=obj.signature or "(...)", does=_third_person(obj.sentence) or "")
+        return self.text.format(
+            module=obj.module,
+            name=obj.name,
+            sentence=obj.sentence,
+            src=obj.source,
+            sig=obj.signature or "(...)",
+            does=_third_person(obj.sentence) or "",
+        )
 
 
 _CODE_TEMPLATES = [
     _CodeTemplate("Write a Python function that {does}", "verb"),
     _CodeTemplate("Write a Python function `{name}{sig}` for this task: {sentence}", "function"),
-    _CodeTemplate("Without importing `{module}`, implement your own version of `{name}`. Its documentation "
-                  "says: \"{sentence}\" Include a short docstring and an example call.", "function"),
-    _CodeTemplate("Implement a small Python class in the spirit of `{module}.{name}`, whose documentation "
-                  "reads: \"{sentence}\" Keep it under 40 lines.", "class"),
+    _CodeTemplate(
+        "Without importing `{module}`, implement your own version of `{name}`. Its documentation "
+        'says: "{sentence}" Include a short docstring and an example call.',
+        "function",
+    ),
+    _CodeTemplate(
+        "Implement a small Python class in the spirit of `{module}.{name}`, whose documentation "
+        'reads: "{sentence}" Keep it under 40 lines.',
+        "class",
+    ),
     _CodeTemplate("Explain what this Python function does:\n```python\n{src}\n```", "source"),
-    _CodeTemplate("Here is code from the Python standard library module `{module}`:\n```python\n{src}\n```\n"
-                  "Walk me through it and point out any edge cases a caller should know about.", "source"),
+    _CodeTemplate(
+        "Here is code from the Python standard library module `{module}`:\n```python\n{src}\n```\n"
+        "Walk me through it and point out any edge cases a caller should know about.",
+        "source",
+    ),
     _CodeTemplate("What does `{module}.{name}` do? Give an example."),
     _CodeTemplate("Show a short, practical Python script that uses `{module}.{name}`, with comments."),
     _CodeTemplate("Write pytest unit tests for `{module}.{name}` covering typical input and edge cases."),
@@ -265,6 +493,7 @@ _CODE_TEMPLATES = [
 
 
 # -- math --
+
 
 def _math_prompts(rng: random.Random) -> Iterator[str]:
     """An endless stream of word problems; numbers come from rng, so repeats are rare (and filtered)."""
@@ -281,8 +510,7 @@ def _total(rng):
     name = _people(rng, 1)[0]
     (_, a), (_, b) = rng.sample(ITEMS, 2)
     na, nb, pa, pb = rng.randint(2, 12), rng.randint(2, 12), rng.randint(1, 9), rng.randint(2, 15)
-    return (f"{name} buys {na} {a} at ${pa} each and {nb} {b} at ${pb} each. "
-            f"How much does {name} spend in total?")
+    return f"{name} buys {na} {a} at ${pa} each and {nb} {b} at ${pb} each. How much does {name} spend in total?"
 
 
 def _difference(rng):
@@ -290,8 +518,7 @@ def _difference(rng):
     _, items = rng.choice(ITEMS)
     n, d = rng.randint(20, 90), rng.randint(3, 19)
     word = rng.choice(["fewer", "more"])
-    return (f"{x} has {n} {items}. {y} has {d} {word} {items} than {x}. "
-            f"How many {items} do {x} and {y} have together?")
+    return f"{x} has {n} {items}. {y} has {d} {word} {items} than {x}. How many {items} do {x} and {y} have together?"
 
 
 def _rate(rng):
@@ -299,13 +526,17 @@ def _rate(rng):
     vehicle = rng.choice(["cyclist", "train", "bus", "runner", "boat"])
     speed, hours, minutes = rng.randint(8, 120), rng.randint(1, 5), rng.choice([15, 20, 30, 40, 45])
     if rng.random() < 0.5:
-        return (f"A {vehicle} moves at a steady {speed} km per hour. How far does it travel in {hours} hours "
-                f"and {minutes} minutes?")
+        return (
+            f"A {vehicle} moves at a steady {speed} km per hour. How far does it travel in {hours} hours "
+            f"and {minutes} minutes?"
+        )
     task, unit = rng.choice([("paint", "fence panels"), ("pack", "boxes"), ("type", "pages"), ("bake", "loaves")])
     per_hour = rng.randint(3, 12)
     total = per_hour * rng.randint(3, 11) + rng.randint(0, per_hour - 1)
-    return (f"{name} can {task} {per_hour} {unit} per hour. How many hours does it take {name} to {task} "
-            f"{total} {unit}, and how many full hours is that?")
+    return (
+        f"{name} can {task} {per_hour} {unit} per hour. How many hours does it take {name} to {task} "
+        f"{total} {unit}, and how many full hours is that?"
+    )
 
 
 def _percentage(rng):
@@ -314,8 +545,10 @@ def _percentage(rng):
     price, off = rng.randint(12, 240), rng.choice([5, 10, 15, 20, 25, 30, 40])
     if rng.random() < 0.5:
         tax = rng.choice([5, 8, 10])
-        return (f"A {item} costs ${price}. The shop takes {off}% off, then adds {tax}% sales tax to the "
-                f"discounted price. What does {name} pay?")
+        return (
+            f"A {item} costs ${price}. The shop takes {off}% off, then adds {tax}% sales tax to the "
+            f"discounted price. What does {name} pay?"
+        )
     right, total = rng.randint(10, 47), rng.choice([50, 60, 80])
     return f"{name} answered {right} of {total} quiz questions correctly. What percentage is that?"
 
@@ -332,15 +565,19 @@ def _average(rng):
     name = _people(rng, 1)[0]
     scores = [rng.randint(55, 98) for _ in range(rng.randint(3, 5))]
     goal = rng.randint(70, 90)
-    return (f"{name}'s test scores so far are {', '.join(map(str, scores))}. What score does {name} need on "
-            f"the next test for an average of {goal}?")
+    return (
+        f"{name}'s test scores so far are {', '.join(map(str, scores))}. What score does {name} need on "
+        f"the next test for an average of {goal}?"
+    )
 
 
 def _ages(rng):
     x, y = _people(rng, 2)
     age, k, later = rng.randint(4, 15), rng.randint(2, 4), rng.randint(2, 12)
-    return (f"{x} is {age} years old and {y} is {k} times as old as {x}. In {later} years, what will the sum of "
-            f"their ages be?")
+    return (
+        f"{x} is {age} years old and {y} is {k} times as old as {x}. In {later} years, what will the sum of "
+        f"their ages be?"
+    )
 
 
 def _multi_step(rng):
@@ -349,8 +586,10 @@ def _multi_step(rng):
     money = rng.randint(4, 20) * 10
     fraction = rng.choice([("a quarter", 4), ("a fifth", 5), ("half", 2), ("a tenth", 10)])
     spend, earn = rng.randint(3, 25), rng.randint(5, 40)
-    return (f"{name} starts the week with ${money}. {name} spends {fraction[0]} of it on a {a}, then ${spend} on "
-            f"a {b}, and later earns ${earn} helping a neighbour. How much money does {name} have now?")
+    return (
+        f"{name} starts the week with ${money}. {name} spends {fraction[0]} of it on a {a}, then ${spend} on "
+        f"a {b}, and later earns ${earn} helping a neighbour. How much money does {name} have now?"
+    )
 
 
 def _unit_price(rng):
@@ -358,8 +597,10 @@ def _unit_price(rng):
     _, items = rng.choice(ITEMS)
     n1, n2 = rng.randint(3, 9), rng.randint(10, 24)
     p1, p2 = rng.randint(5, 30), rng.randint(20, 70)
-    return (f"{x} pays ${p1} for {n1} {items}, and {y} pays ${p2} for {n2} {items}. Who got the better price per "
-            f"item, and by how much per item?")
+    return (
+        f"{x} pays ${p1} for {n1} {items}, and {y} pays ${p2} for {n2} {items}. Who got the better price per "
+        f"item, and by how much per item?"
+    )
 
 
 _MATH_TEMPLATES = [_total, _difference, _rate, _percentage, _ratio, _average, _ages, _multi_step, _unit_price]
@@ -367,11 +608,14 @@ _MATH_TEMPLATES = [_total, _difference, _rate, _percentage, _ratio, _average, _a
 
 # -- chat --
 
-_TOPIC_TEMPLATES = ["Explain {t} in simple terms.", "Tell me about {t}, explained as if I were twelve years old.",
-                    "Give me a short overview of {t}, with one everyday example.",
-                    "What are the most common misconceptions about {t}?",
-                    "Why does {t} matter? Answer in a few short paragraphs.",
-                    "I keep hearing about {t}. Can you explain the basic idea and why people care?"]
+_TOPIC_TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "Tell me about {t}, explained as if I were twelve years old.",
+    "Give me a short overview of {t}, with one everyday example.",
+    "What are the most common misconceptions about {t}?",
+    "Why does {t} matter? Answer in a few short paragraphs.",
+    "I keep hearing about {t}. Can you explain the basic idea and why people care?",
+]
 
 
 @lru_cache(maxsize=1)
@@ -379,16 +623,20 @@ def _chat_prompts() -> tuple[str, ...]:
     rng = random.Random(4321)
     prompts = [t.format(t=topic) for topic in GENERAL_TOPICS for t in rng.sample(_TOPIC_TEMPLATES, 3)]
     for module, sentence in _module_sentences():
-        prompts.append(f"The Python module `{module}` is described as \"{sentence}\" Explain in simple terms "
-                       "what it is for and one situation where you would use it.")
+        prompts.append(
+            f'The Python module `{module}` is described as "{sentence}" Explain in simple terms '
+            "what it is for and one situation where you would use it."
+        )
         concept = _concept(sentence)
         if concept:
             prompts.append(rng.choice(_TOPIC_TEMPLATES).format(t=concept))
     for command, summary in _man_page_names():
-        template = rng.choice([
-            "What is the `{c}` command used for ({s})? Give two short examples of using it.",
-            "Explain in simple terms what `{c}` does; its manual describes it as \"{s}\".",
-        ])
+        template = rng.choice(
+            [
+                "What is the `{c}` command used for ({s})? Give two short examples of using it.",
+                'Explain in simple terms what `{c}` does; its manual describes it as "{s}".',
+            ]
+        )
         prompts.append(template.format(c=command, s=summary))
     return tuple(prompts)
 
@@ -449,7 +697,7 @@ def _man_name_line(path: Path) -> tuple[str, str] | None:
     starts = [i for i, line in enumerate(lines) if re.fullmatch(r'\.S[Hh]\s+"?NAME"?', line)]
     if not starts:
         return None
-    text = next((line for line in lines[starts[0] + 1:] if line and not line.startswith(".")), "")
+    text = next((line for line in lines[starts[0] + 1 :] if line and not line.startswith(".")), "")
     text = re.sub(r"\\f[BIRP]|\\&|\\\(..", "", text).replace("\\-", "-")
     command, sep, summary = text.partition(" - ")
     command = command.split(",")[0].strip()

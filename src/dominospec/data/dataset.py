@@ -34,7 +34,6 @@ def read_meta(data_dir: Path) -> dict | None:
     return meta
 
 
-
 def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool = False) -> tuple[dict, list[dict]]:
     """(meta, samples) of a prepare-data directory, validated; with a target, checks it is the same tokenizer.
 
@@ -47,15 +46,19 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
         return _load_parts(d, target, allow_other_target)
     meta = read_meta(d)
     if meta is None:
-        raise DominoError(f"{d} is not a dominospec data directory (no meta.json or manifest.json); make one with "
-                          "`dominospec prepare-data`")
+        raise DominoError(
+            f"{d} is not a dominospec data directory (no meta.json or manifest.json); make one with "
+            "`dominospec prepare-data`"
+        )
     vocab_size = meta["vocab_size"]
     if target is not None:
         _check_target(meta, target, d, allow_other_target)
         vocab_size = target.vocab_size
     if not meta.get("complete"):
-        log(f"warning: {d} is incomplete (prepare-data was interrupted); using the finished shards. "
-                "Rerun prepare-data with the same arguments to finish it")
+        log(
+            f"warning: {d} is incomplete (prepare-data was interrupted); using the finished shards. "
+            "Rerun prepare-data with the same arguments to finish it"
+        )
     samples, seen = [], set()
     for path in sorted(d.glob("samples-*.jsonl")):
         for where, sample in _read_jsonl(path, vocab_size):
@@ -68,8 +71,13 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
 def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[dict]]:
     """A data set of parts: every part's compact shards, sample ids prefixed with their part."""
     manifest = read_manifest(d)
-    meta = {**{k: manifest.get(k) for k in SHARED}, "format": manifest["format"], "complete": True,
-            "parts": [p["name"] for p in manifest["parts"]], "counts": manifest.get("counts")}
+    meta = {
+        **{k: manifest.get(k) for k in SHARED},
+        "format": manifest["format"],
+        "complete": True,
+        "parts": [p["name"] for p in manifest["parts"]],
+        "counts": manifest.get("counts"),
+    }
     vocab_size = meta["vocab_size"]
     if target is not None:
         _check_target(meta, target, d, allow_other_target)
@@ -109,17 +117,23 @@ def _add_unique(sample: dict, where: str, samples: list[dict], seen: set) -> Non
 
 def _check_target(meta: dict, target, d: Path, allow_other_target: bool) -> None:
     if meta["vocab_size"] != target.vocab_size:
-        raise DominoError(f"data {d} was made for a vocabulary of {meta['vocab_size']} tokens "
-                          f"(target {meta['target']!r}), but target {target.name!r} has {target.vocab_size}")
+        raise DominoError(
+            f"data {d} was made for a vocabulary of {meta['vocab_size']} tokens "
+            f"(target {meta['target']!r}), but target {target.name!r} has {target.vocab_size}"
+        )
     ours, theirs = meta.get("tokenizer_sha256"), target.tokenizer_fingerprint
     if ours and theirs and ours != theirs:
-        raise DominoError(f"data {d} was made with another tokenizer (target {meta['target']!r}, tokenizer "
-                          f"sha256 {ours[:16]}...) than target {target.name!r} (sha256 {theirs[:16]}...)")
+        raise DominoError(
+            f"data {d} was made with another tokenizer (target {meta['target']!r}, tokenizer "
+            f"sha256 {ours[:16]}...) than target {target.name!r} (sha256 {theirs[:16]}...)"
+        )
     if not allow_other_target and not _same_model(meta.get("target"), target.name):
-        raise DominoError(f"data {d} was written by target {meta.get('target')!r}, but this run trains for target "
-                          f"{target.name!r}: a drafter learns to predict the model that wrote its data. Make data "
-                          f"with this target (dominospec prepare-data --target {target.name}), or pass "
-                          "--allow-other-target to train on it anyway")
+        raise DominoError(
+            f"data {d} was written by target {meta.get('target')!r}, but this run trains for target "
+            f"{target.name!r}: a drafter learns to predict the model that wrote its data. Make data "
+            f"with this target (dominospec prepare-data --target {target.name}), or pass "
+            "--allow-other-target to train on it anyway"
+        )
 
 
 def _same_model(recorded: str | None, name: str) -> bool:
@@ -154,4 +168,3 @@ def _check_sample(sample: dict, vocab_size: int, where: str) -> dict:
     if not any(mask):
         raise DominoError(f"{where}: sample {sample['id']!r} has no supervised token (all of loss_mask is 0)")
     return sample
-

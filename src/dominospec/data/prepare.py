@@ -35,9 +35,9 @@ import hashlib
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable
 
 from ..errors import DominoError
 from ..io import ensure_writable_dir, exclusive_lock, is_temporary, write_json_atomic, write_lines_atomic
@@ -51,11 +51,10 @@ from .prompts import Conversation, prompts_fingerprint
 SHARD_BATCHES = 8  # default shard size, in batches: a crash costs at most one shard of work
 
 
-
-
 @dataclass(frozen=True)
 class PrepareConfig:
     """Everything besides target and prompts that decides the content of a data set."""
+
     max_new_tokens: int = 512
     temperature: float = 0.7
     top_p: float = 0.8
@@ -71,30 +70,39 @@ class PrepareConfig:
         if self.batch_size < 1:
             raise DominoError(f"--batch-size must be at least 1, got {self.batch_size}")
         if self.shard_size < 1 or self.shard_size % self.batch_size:
-            raise DominoError(f"--shard-size {self.shard_size} must be a positive multiple of "
-                              f"--batch-size {self.batch_size}")
+            raise DominoError(
+                f"--shard-size {self.shard_size} must be a positive multiple of --batch-size {self.batch_size}"
+            )
 
 
 @dataclass(frozen=True)
 class ChatCodec:
     """Messages <-> token ids: the target's chat template, or a stand-in where a test has no tokenizer."""
+
     encode: Callable[[list[dict]], list[int]]  # messages ending in a user turn -> prompt ids (generation prompt added)
-    decode: Callable[[list[int]], str]         # answer ids -> text for the history (special tokens dropped)
+    decode: Callable[[list[int]], str]  # answer ids -> text for the history (special tokens dropped)
     tokenizer_sha256: str | None = None
     chat_template_sha256: str | None = None
-    max_token_chars: int | None = None         # see target/context.py: prompts too long by characters alone
+    max_token_chars: int | None = None  # see target/context.py: prompts too long by characters alone
 
     @classmethod
-    def for_target(cls, target) -> "ChatCodec":
-        return cls(target.encode_chat, target.decode, target.tokenizer_fingerprint,
-                   target.chat_template_fingerprint, target.max_token_chars)
+    def for_target(cls, target) -> ChatCodec:
+        return cls(
+            target.encode_chat,
+            target.decode,
+            target.tokenizer_fingerprint,
+            target.chat_template_fingerprint,
+            target.max_token_chars,
+        )
 
 
 # ----- one conversation's token stream -----
 
+
 @dataclass
 class SampleBuilder:
     """Grows one conversation's (input_ids, loss_mask) turn by turn; splits where the history is re-rendered."""
+
     conversation_id: str
     input_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
@@ -103,7 +111,7 @@ class SampleBuilder:
     finished: list[dict] = field(default_factory=list)
 
     def add_turn(self, turn: int, prompt_ids: list[int], answer_ids: list[int]) -> None:
-        if prompt_ids[:len(self.input_ids)] != self.input_ids:  # not a prefix-extension: start a new sample
+        if prompt_ids[: len(self.input_ids)] != self.input_ids:  # not a prefix-extension: start a new sample
             self._close()
             self.splits += 1
             self.first_turn = turn
@@ -128,8 +136,9 @@ def batch_seed(seed: int, first_index: int, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def regenerate_batch(target, codec: ChatCodec, conversations: list[Conversation], first_index: int,
-                     cfg: PrepareConfig) -> tuple[list[dict], Counter]:
+def regenerate_batch(
+    target, codec: ChatCodec, conversations: list[Conversation], first_index: int, cfg: PrepareConfig
+) -> tuple[list[dict], Counter]:
     """Let the target answer every turn of a batch of conversations; returns samples and counts.
 
     An empty answer (nothing but EOS or whitespace) ends its conversation there: it is counted,
@@ -155,8 +164,14 @@ def regenerate_batch(target, codec: ChatCodec, conversations: list[Conversation]
         if not active:
             break
         budget = cap_new_tokens(cfg.max_new_tokens, max(len(prompts[i]) for i in active), limit)
-        answers = target.sample_batch([prompts[i] for i in active], budget, temperature=cfg.temperature,
-                                      top_p=cfg.top_p, top_k=cfg.top_k, seed=batch_seed(cfg.seed, first_index, turn))
+        answers = target.sample_batch(
+            [prompts[i] for i in active],
+            budget,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            seed=batch_seed(cfg.seed, first_index, turn),
+        )
         for i, answer in zip(active, answers):
             text = codec.decode(answer)
             if not text.strip():
@@ -170,17 +185,28 @@ def regenerate_batch(target, codec: ChatCodec, conversations: list[Conversation]
             builders[i].add_turn(turn, prompts[i], answer)
             histories[i].append({"role": "assistant", "content": text})
     samples = [s for b in builders for s in b.samples()]
-    stats.update(samples=len(samples), splits=sum(b.splits for b in builders),
-                 tokens=sum(len(s["input_ids"]) for s in samples),
-                 supervised_tokens=sum(sum(s["loss_mask"]) for s in samples))
+    stats.update(
+        samples=len(samples),
+        splits=sum(b.splits for b in builders),
+        tokens=sum(len(s["input_ids"]) for s in samples),
+        supervised_tokens=sum(sum(s["loss_mask"]) for s in samples),
+    )
     return samples, stats
 
 
 # ----- the run -----
 
-def prepare_data(target, conversations: list[Conversation], out_dir: str | Path, cfg: PrepareConfig,
-                 sources: list[dict] | None = None, codec: ChatCodec | None = None,
-                 progress: bool = True, on_error: str = "skip") -> dict:
+
+def prepare_data(
+    target,
+    conversations: list[Conversation],
+    out_dir: str | Path,
+    cfg: PrepareConfig,
+    sources: list[dict] | None = None,
+    codec: ChatCodec | None = None,
+    progress: bool = True,
+    on_error: str = "skip",
+) -> dict:
     """Regenerate `conversations` with `target` into out_dir, resuming whatever an earlier run left.
 
     Conversations whose first prompt leaves no answer room in the target's context are reported
@@ -216,8 +242,9 @@ def prepare_data(target, conversations: list[Conversation], out_dir: str | Path,
     return meta
 
 
-def fit_to_context(conversations: list[Conversation], codec: ChatCodec, max_positions: int | None,
-                   on_error: str = "skip", report=None) -> tuple[list[Conversation], int]:
+def fit_to_context(
+    conversations: list[Conversation], codec: ChatCodec, max_positions: int | None, on_error: str = "skip", report=None
+) -> tuple[list[Conversation], int]:
     """The conversations whose first prompt leaves answer room in the context, and how many did not.
 
     Each one left out is reported by its id (<file stem>:<line>); on_error="fatal" stops at the first.
@@ -225,8 +252,12 @@ def fit_to_context(conversations: list[Conversation], codec: ChatCodec, max_posi
     report = report or log
     kept, over = [], 0
     for conv in conversations:
-        _, reason = encode_if_fits(conv.turns[0], lambda text: codec.encode([{"role": "user", "content": text}]),
-                                   max_positions, codec.max_token_chars)
+        _, reason = encode_if_fits(
+            conv.turns[0],
+            lambda text: codec.encode([{"role": "user", "content": text}]),
+            max_positions,
+            codec.max_token_chars,
+        )
         if reason is None:
             kept.append(conv)
             continue
@@ -249,8 +280,10 @@ def _generate_missing_shards(target, codec, conversations, out: Path, cfg: Prepa
         log(f"resuming {out}: {n - remaining} of {n} conversations already done")
     run = Counter()
     start = time.perf_counter()
-    with tqdm(total=n, initial=n - remaining, unit="sample", desc="prepare-data", disable=not progress,
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=n, initial=n - remaining, unit="sample", desc="prepare-data", disable=not progress, dynamic_ncols=True
+    ) as bar:
+
         def on_batch(batch_stats: Counter) -> None:
             run.update(batch_stats)
             bar.update(batch_stats["conversations"])
@@ -266,11 +299,12 @@ def _generate_missing_shards(target, codec, conversations, out: Path, cfg: Prepa
     return run
 
 
-def _generate_shard(target, codec, conversations, lo: int, hi: int, cfg: PrepareConfig,
-                    on_batch: Callable[[Counter], None]) -> tuple[list[dict], Counter]:
+def _generate_shard(
+    target, codec, conversations, lo: int, hi: int, cfg: PrepareConfig, on_batch: Callable[[Counter], None]
+) -> tuple[list[dict], Counter]:
     samples, stats = [], Counter()
     for first in range(lo, hi, cfg.batch_size):
-        batch = conversations[first:min(hi, first + cfg.batch_size)]
+        batch = conversations[first : min(hi, first + cfg.batch_size)]
         batch_samples, batch_stats = regenerate_batch(target, codec, batch, first, cfg)
         samples += batch_samples
         stats += batch_stats
@@ -279,18 +313,22 @@ def _generate_shard(target, codec, conversations, lo: int, hi: int, cfg: Prepare
 
 
 def _report(out: Path, counts: dict, run: Counter) -> None:
-    for key, what in (("empty_answers", "empty answer(s) skipped"),
-                      ("truncated_answers", "answer(s) cut at --max-new-tokens"),
-                      ("cut_at_context", "answer(s) cut at the end of the target's context"),
-                      ("turns_over_context", "later turn(s) dropped: the chat so far filled the target's context"),
-                      ("splits", "conversation(s) split where the template re-rendered the history")):
+    for key, what in (
+        ("empty_answers", "empty answer(s) skipped"),
+        ("truncated_answers", "answer(s) cut at --max-new-tokens"),
+        ("cut_at_context", "answer(s) cut at the end of the target's context"),
+        ("turns_over_context", "later turn(s) dropped: the chat so far filled the target's context"),
+        ("splits", "conversation(s) split where the template re-rendered the history"),
+    ):
         if counts.get(key):
             log(f"warning: {counts[key]} {what}")
     line = f"{out}: {counts['samples']} samples, {counts['tokens']} tokens ({counts['supervised_tokens']} supervised)"
     if run.get("conversations"):
         secs = run["seconds"]
-        line += (f"; this run: {run['conversations']} conversations in {secs:.1f}s = "
-                 f"{run['conversations'] / secs:.2f} samples/s, {run['generated_tokens'] / secs:.1f} generated tok/s")
+        line += (
+            f"; this run: {run['conversations']} conversations in {secs:.1f}s = "
+            f"{run['conversations'] / secs:.2f} samples/s, {run['generated_tokens'] / secs:.1f} generated tok/s"
+        )
     log(line)
 
 
@@ -310,35 +348,66 @@ def _sum_shard_stats(out: Path, n_shards: int) -> dict:
     total = Counter()
     for k in range(n_shards):
         total.update(json.loads(_stats_path(out, k).read_text()))
-    keys = ("conversations", "samples", "answers", "generated_tokens", "tokens", "supervised_tokens",
-            "empty_answers", "truncated_answers", "cut_at_context", "turns_over_context", "splits")
+    keys = (
+        "conversations",
+        "samples",
+        "answers",
+        "generated_tokens",
+        "tokens",
+        "supervised_tokens",
+        "empty_answers",
+        "truncated_answers",
+        "cut_at_context",
+        "turns_over_context",
+        "splits",
+    )
     return {key: int(total[key]) for key in keys}
 
 
 # ----- meta.json: the run's identity -----
 
-IDENTITY = ("format", "target", "vocab_size", "tokenizer_sha256", "chat_template_sha256", "eos_ids",
-            "prompts_sha256", "conversations_total") + tuple(f.name for f in fields(PrepareConfig))
+IDENTITY = (
+    "format",
+    "target",
+    "vocab_size",
+    "tokenizer_sha256",
+    "chat_template_sha256",
+    "eos_ids",
+    "prompts_sha256",
+    "conversations_total",
+) + tuple(f.name for f in fields(PrepareConfig))
 
 
 def _new_meta(target, codec: ChatCodec, cfg: PrepareConfig, conversations, sources) -> dict:
     return {
-        "format": FORMAT, "target": target.name, "vocab_size": target.vocab_size,
-        "tokenizer_sha256": codec.tokenizer_sha256, "chat_template_sha256": codec.chat_template_sha256,
-        "eos_ids": list(target.eos_ids), **asdict(cfg),
-        "prompts_sha256": prompts_fingerprint(conversations), "conversations_total": len(conversations),
-        "prompt_sources": sources, "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-        "dominospec_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "complete": False, "counts": None,
+        "format": FORMAT,
+        "target": target.name,
+        "vocab_size": target.vocab_size,
+        "tokenizer_sha256": codec.tokenizer_sha256,
+        "chat_template_sha256": codec.chat_template_sha256,
+        "eos_ids": list(target.eos_ids),
+        **asdict(cfg),
+        "prompts_sha256": prompts_fingerprint(conversations),
+        "conversations_total": len(conversations),
+        "prompt_sources": sources,
+        "device": str(target.device),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "dominospec_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "complete": False,
+        "counts": None,
     }
 
 
 def _check_same_run(existing: dict, new: dict, out: Path) -> None:
-    diffs = [f"{key}: {existing.get(key)!r} there, {new[key]!r} now" for key in IDENTITY
-             if existing.get(key) != new[key]]
+    diffs = [
+        f"{key}: {existing.get(key)!r} there, {new[key]!r} now" for key in IDENTITY if existing.get(key) != new[key]
+    ]
     if diffs:
-        raise DominoError(f"{out} was made with different settings, so this run cannot resume it "
-                          f"({'; '.join(diffs)}). Use the same arguments to resume, or a new --out.")
+        raise DominoError(
+            f"{out} was made with different settings, so this run cannot resume it "
+            f"({'; '.join(diffs)}). Use the same arguments to resume, or a new --out."
+        )
 
 
 def _check_out_dir(out: Path) -> None:
@@ -346,4 +415,3 @@ def _check_out_dir(out: Path) -> None:
         raise DominoError(f"--out {out} exists and is not a directory")
     if out.is_dir() and not (out / "meta.json").exists() and any(p.name != ".lock" for p in out.iterdir()):
         raise DominoError(f"--out {out} is not empty and holds no meta.json; refusing to write data there")
-

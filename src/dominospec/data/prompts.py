@@ -29,11 +29,13 @@ USER_ROLES = {"user", "human"}
 @dataclass(frozen=True)
 class Conversation:
     """The user side of one conversation; `id` ("<source>:<index>") names it in the data set."""
+
     turns: tuple[str, ...]
     id: str
 
 
 # ----- JSONL files -----
+
 
 def user_turns(obj) -> list[str]:
     """The user turns of one parsed line, in order; ValueError says why the line is unusable."""
@@ -53,8 +55,7 @@ def user_turns(obj) -> list[str]:
     elif "prompt" in obj:
         turns = [obj["prompt"]]
     else:
-        raise ValueError(f"unknown layout: keys {sorted(obj)[:6]}, expected turns, conversations, "
-                         "messages or prompt")
+        raise ValueError(f"unknown layout: keys {sorted(obj)[:6]}, expected turns, conversations, messages or prompt")
     if not turns:
         raise ValueError("no user turns")
     for i, t in enumerate(turns):
@@ -76,13 +77,15 @@ def check_prompt_file(path: str | Path) -> Path:
     if path.is_dir():
         raise DominoError(f"--prompts {path} is a directory; give a JSONL file (one prompt per line)")
     if not path.is_file():
-        raise DominoError(f"--prompts {path}: no such file (a JSONL file; prepare-data also takes builtin:N "
-                          "and hf:NAME)")
+        raise DominoError(
+            f"--prompts {path}: no such file (a JSONL file; prepare-data also takes builtin:N and hf:NAME)"
+        )
     return path
 
 
-def read_prompt_file(path: str | Path, on_error: str = "skip", source: str | None = None,
-                     report=None) -> list[Conversation]:
+def read_prompt_file(
+    path: str | Path, on_error: str = "skip", source: str | None = None, report=None
+) -> list[Conversation]:
     """Conversations of a JSONL file; ids are "<source>:<line number>" (source: the file stem).
 
     Read as utf-8-sig: a byte-order mark some editors put at the start is not part of line 1.
@@ -118,15 +121,18 @@ def load_hf_dataset(name: str, split: str = "train", on_error: str = "skip", rep
     """Rows of a Hugging Face hub dataset in any layout `user_turns` reads (needs `datasets` and a hub)."""
     report = report or log
     if importlib.util.find_spec("datasets") is None:
-        raise DominoError(f"hf:{name} needs the `datasets` package (pip install datasets) and access to the "
-                          "Hugging Face hub; offline, use a JSONL file or --prompts builtin")
+        raise DominoError(
+            f"hf:{name} needs the `datasets` package (pip install datasets) and access to the "
+            "Hugging Face hub; offline, use a JSONL file or --prompts builtin"
+        )
     import datasets
 
     try:
         rows = datasets.load_dataset(name, split=split)
     except Exception as exc:  # datasets raises many types for "no network", "no such dataset", ...
-        raise DominoError(f"cannot load dataset {name!r} (split {split!r}) from the hub: "
-                          f"{type(exc).__name__}: {exc}") from None
+        raise DominoError(
+            f"cannot load dataset {name!r} (split {split!r}) from the hub: {type(exc).__name__}: {exc}"
+        ) from None
     conversations, skipped = [], 0
     for index, row in enumerate(rows):
         try:
@@ -149,7 +155,6 @@ def prompts_fingerprint(conversations: list[Conversation]) -> str:
         h.update(json.dumps([c.id, list(c.turns)], ensure_ascii=False).encode())
         h.update(b"\n")
     return h.hexdigest()
-
 
 
 def read_first_turns(path) -> list[str]:

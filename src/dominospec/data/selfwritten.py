@@ -18,21 +18,48 @@ from ..log import log
 from .prompts import Conversation
 
 OPENINGS = {
-    "code": ["Write a Python function that", "How do I", "In Python, what is the difference between",
-             "Write a program that", "Write a SQL query that", "Implement a class that",
-             "What is the time complexity of", "Write a shell command that"],
-    "math": ["A train leaves", "Solve for x:", "A store sells", "What is the probability that", "Calculate",
-             "A rectangle has", "If a recipe needs", "Prove that", "How many ways can", "Sarah has"],
-    "chat": ["Explain", "What are the main causes of", "Give me tips on", "Write a short story about",
-             "Compare", "Summarize the idea of", "What should I consider when", "Describe", "Why do",
-             "Write an email to"],
+    "code": [
+        "Write a Python function that",
+        "How do I",
+        "In Python, what is the difference between",
+        "Write a program that",
+        "Write a SQL query that",
+        "Implement a class that",
+        "What is the time complexity of",
+        "Write a shell command that",
+    ],
+    "math": [
+        "A train leaves",
+        "Solve for x:",
+        "A store sells",
+        "What is the probability that",
+        "Calculate",
+        "A rectangle has",
+        "If a recipe needs",
+        "Prove that",
+        "How many ways can",
+        "Sarah has",
+    ],
+    "chat": [
+        "Explain",
+        "What are the main causes of",
+        "Give me tips on",
+        "Write a short story about",
+        "Compare",
+        "Summarize the idea of",
+        "What should I consider when",
+        "Describe",
+        "Why do",
+        "Write an email to",
+    ],
 }
 MIX = {"code": 40, "math": 35, "chat": 25}
 MIN_WORDS, MAX_CHARS = 5, 600
 
 
-def self_written_prompts(target, n: int, seed: int = 0, batch_size: int = 32, max_tokens: int = 96,
-                         report=None) -> list[Conversation]:
+def self_written_prompts(
+    target, n: int, seed: int = 0, batch_size: int = 32, max_tokens: int = 96, report=None
+) -> list[Conversation]:
     """n distinct questions written by `target`, ids self-<kind>:<i>, deterministic in seed."""
     report = report or log
     if n < 1:
@@ -48,8 +75,13 @@ def self_written_prompts(target, n: int, seed: int = 0, batch_size: int = 32, ma
         for _ in range(batch_size):
             kind = rng.choice(kinds)
             batch.append((kind, rng.choice(OPENINGS[kind])))
-        answers = target.sample_batch([target.open_user_turn(o + " ") for _, o in batch], max_tokens,
-                                      temperature=1.0, top_p=0.95, seed=rng.randrange(2**62))
+        answers = target.sample_batch(
+            [target.open_user_turn(o + " ") for _, o in batch],
+            max_tokens,
+            temperature=1.0,
+            top_p=0.95,
+            seed=rng.randrange(2**62),
+        )
         attempts += batch_size
         for (kind, opening), ids in zip(batch, answers):
             text = f"{opening} {target.decode(ids).strip()}".strip()
@@ -61,8 +93,10 @@ def self_written_prompts(target, n: int, seed: int = 0, batch_size: int = 32, ma
             out.append(Conversation((text,), f"self-{kind}:{len(out)}"))
             if len(out) == n:
                 break
-    report(f"self:{n}: the target wrote {len(out)} usable prompts in {attempts} attempts ({dropped} dropped: "
-           "unfinished, too short or long, repetitive, or repeated)")
+    report(
+        f"self:{n}: the target wrote {len(out)} usable prompts in {attempts} attempts ({dropped} dropped: "
+        "unfinished, too short or long, repetitive, or repeated)"
+    )
     if not out:
         raise DominoError(f"self:{n}: the target wrote no usable prompt")
     return out

@@ -11,8 +11,9 @@ from .prompts import Conversation, load_hf_dataset, read_prompt_file
 from .selfwritten import self_written_prompts
 
 
-def load_prompts(specs: list[str], seed: int = 0, limit: int | None = None, on_error: str = "skip",
-                 report=None, target=None) -> tuple[list[Conversation], list[dict]]:
+def load_prompts(
+    specs: list[str], seed: int = 0, limit: int | None = None, on_error: str = "skip", report=None, target=None
+) -> tuple[list[Conversation], list[dict]]:
     """Resolve --prompts values (FILE, builtin[:N], self:N, hf:NAME[:SPLIT]) into conversations and source records.
 
     self:N (prompts the target writes itself) needs `target`.
@@ -78,4 +79,3 @@ def _unique_name(stem: str, taken: set[str]) -> str:
     while name in taken:
         name, k = f"{stem}-{k}", k + 1
     return name
-

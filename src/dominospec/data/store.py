@@ -30,8 +30,16 @@ from ..io import atomic_path
 MANIFEST = "manifest.json"
 FORMAT = "dominospec-dataset/1"
 SHARED = ("target", "vocab_size", "tokenizer_sha256", "chat_template_sha256", "eos_ids")
-PART_SETTINGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "batch_size", "prompts_sha256",
-                 "conversations_total")
+PART_SETTINGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "batch_size",
+    "prompts_sha256",
+    "conversations_total",
+)
 
 
 def is_dataset(d: Path) -> bool:
@@ -45,17 +53,20 @@ def read_manifest(d: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise DominoError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DominoError(f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                          f"expected {FORMAT!r}")
+        raise DominoError(
+            f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT!r}"
+        )
     return manifest
 
 
 def write_npz_shard(path: Path, samples: list[dict], vocab_size: int) -> None:
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
-    ids = np.concatenate([np.asarray(s["input_ids"], dtype=dtype) for s in samples]) if samples else \
-        np.zeros(0, dtype)
-    mask = np.concatenate([np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples]) if samples else \
-        np.zeros(0, np.uint8)
+    ids = np.concatenate([np.asarray(s["input_ids"], dtype=dtype) for s in samples]) if samples else np.zeros(0, dtype)
+    mask = (
+        np.concatenate([np.asarray(s["loss_mask"], dtype=np.uint8) for s in samples])
+        if samples
+        else np.zeros(0, np.uint8)
+    )
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             lengths = np.asarray([len(s["input_ids"]) for s in samples], dtype=np.int64)
@@ -70,13 +81,15 @@ def read_npz_shard(path: Path) -> list[dict]:
     except (OSError, ValueError, KeyError) as exc:
         raise DominoError(f"{path}: not a readable compact shard ({exc})") from None
     if int(lengths.sum()) != ids.shape[0] or len(names) != len(lengths):
-        raise DominoError(f"{path}: lengths ({int(lengths.sum())} tokens, {len(names)} ids) do not match "
-                          f"its {ids.shape[0]} token ids")
+        raise DominoError(
+            f"{path}: lengths ({int(lengths.sum())} tokens, {len(names)} ids) do not match its {ids.shape[0]} token ids"
+        )
     mask = np.unpackbits(packed)[: ids.shape[0]]
     out, start = [], 0
     for name, n in zip(names.tolist(), lengths.tolist()):
-        out.append({"id": name, "input_ids": ids[start:start + n].tolist(),
-                    "loss_mask": mask[start:start + n].tolist()})
+        out.append(
+            {"id": name, "input_ids": ids[start : start + n].tolist(), "loss_mask": mask[start : start + n].tolist()}
+        )
         start += n
     return out
 
@@ -89,8 +102,9 @@ def check_part_files(dataset: Path, entry: dict) -> None:
         if not path.exists():
             raise DominoError(f"{path} is listed in {dataset / MANIFEST} but missing")
         if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
-            raise DominoError(f"{path} differs from the checksum in {dataset / MANIFEST}: the part was changed "
-                              "after it was added")
+            raise DominoError(
+                f"{path} differs from the checksum in {dataset / MANIFEST}: the part was changed after it was added"
+            )
 
 
 def dataset_prompts(dataset: Path) -> list[dict]:

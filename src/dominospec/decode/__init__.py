@@ -15,5 +15,16 @@ from .result import GenerationResult, tokens_per_cycle
 from .schedule import VERIFY_MODES, CostTable, VerifyPolicy, make_policy
 from .single import generate_autoregressive, generate_speculative
 
-__all__ = ["Proposal", "draft_block", "GenerationResult", "tokens_per_cycle", "generate_autoregressive",
-           "generate_speculative", "PromptLookup", "VERIFY_MODES", "CostTable", "VerifyPolicy", "make_policy"]
+__all__ = [
+    "Proposal",
+    "draft_block",
+    "GenerationResult",
+    "tokens_per_cycle",
+    "generate_autoregressive",
+    "generate_speculative",
+    "PromptLookup",
+    "VERIFY_MODES",
+    "CostTable",
+    "VerifyPolicy",
+    "make_policy",
+]

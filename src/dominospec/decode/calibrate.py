@@ -14,16 +14,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
+from ..drafter.checkpoint import CALIBRATION_NAME
 from ..errors import DominoError
 from ..io import write_json_atomic
 from ..sampling import SamplingConfig
-from .schedule import CALIBRATION_NAME
 from .single import generate_speculative
 
 ECE_BINS = 15
@@ -32,7 +32,7 @@ TEMPERATURE_GRID = (0.05, 20.0, 241)  # geometric grid: lowest, highest, points
 
 @dataclass
 class ConfidenceRecords:
-    logits: torch.Tensor    # [N, B] float64 confidence logits per cycle and slot; NaN where not drafted
+    logits: torch.Tensor  # [N, B] float64 confidence logits per cycle and slot; NaN where not drafted
     accepted: torch.Tensor  # [N] drafts accepted in the cycle
 
     def __len__(self) -> int:
@@ -40,15 +40,23 @@ class ConfidenceRecords:
 
 
 @torch.inference_mode()
-def collect_records(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
-                    sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-                    progress: bool = True) -> ConfidenceRecords:
+def collect_records(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    progress: bool = True,
+) -> ConfidenceRecords:
     """Generate from every prompt with the full block verified and keep (logits, accepted) per cycle."""
     from tqdm import tqdm
 
     if getattr(drafter, "confidence", None) is None:
-        raise DominoError("the drafter has no confidence head: there is nothing to calibrate (make one with "
-                          "--confidence-head, then train it)")
+        raise DominoError(
+            "the drafter has no confidence head: there is nothing to calibrate (make one with "
+            "--confidence-head, then train it)"
+        )
     if not prompts:
         raise DominoError("no prompts to calibrate on")
     b = drafter.config.block_size
@@ -60,8 +68,7 @@ def collect_records(target, drafter, prompts: Sequence[Sequence[int]], max_new_t
             rows.append(proposal.confidence_logits.double().tolist() + [math.nan] * (b - verified))
             accepted.append(n)
 
-    for i, ids in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress,
-                                 dynamic_ncols=True)):
+    for i, ids in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", disable=not progress, dynamic_ncols=True)):
         generate_speculative(target, drafter, ids, max_new_tokens, sampling, seed + i, on_cycle=record)
     if not rows:
         raise DominoError("the prompts gave no draft cycles to calibrate on (answers too short?)")
@@ -69,6 +76,7 @@ def collect_records(target, drafter, prompts: Sequence[Sequence[int]], max_new_t
 
 
 # ----- metrics -----
+
 
 def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, bins: int = ECE_BINS) -> list[dict]:
     """Equal-width bins over [0, 1]: mean prediction, observed frequency and count of the non-empty ones."""
@@ -78,15 +86,21 @@ def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, bins: int = ECE_
         sel = idx == j
         n = int(sel.sum())
         if n:
-            out.append({"bin": j, "predicted": float(probs[sel].mean()), "observed": float(labels[sel].double().mean()),
-                        "count": n})
+            out.append(
+                {
+                    "bin": j,
+                    "predicted": float(probs[sel].mean()),
+                    "observed": float(labels[sel].double().mean()),
+                    "count": n,
+                }
+            )
     return out
 
 
 def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: int = ECE_BINS) -> torch.Tensor:
     """ECE of predictions [..., N] against 0/1 labels [N] (leading dims: several candidate predictions)."""
-    idx = (probs * bins).long().clamp(0, bins - 1)                            # [..., N]
-    one_hot = torch.nn.functional.one_hot(idx, bins).to(probs.dtype)        # [..., N, bins]
+    idx = (probs * bins).long().clamp(0, bins - 1)  # [..., N]
+    one_hot = torch.nn.functional.one_hot(idx, bins).to(probs.dtype)  # [..., N, bins]
     gap = (one_hot * (probs - labels.to(probs.dtype)).unsqueeze(-1)).sum(-2)  # [..., bins]: sum of p - y
     return gap.abs().sum(-1) / probs.shape[-1]
 
@@ -114,8 +128,10 @@ def survival(logits: torch.Tensor, temperatures: Sequence[float]) -> torch.Tenso
 
 # ----- the fit -----
 
-def fit_sts(records: ConfidenceRecords, grid: tuple[float, float, int] = TEMPERATURE_GRID,
-            bins: int = ECE_BINS) -> dict:
+
+def fit_sts(
+    records: ConfidenceRecords, grid: tuple[float, float, int] = TEMPERATURE_GRID, bins: int = ECE_BINS
+) -> dict:
     """Sequential Temperature Scaling; returns temperatures and ECE / AUROC / reliability per position."""
     logits, accepted = records.logits, records.accepted
     positions = logits.shape[1]
@@ -123,8 +139,17 @@ def fit_sts(records: ConfidenceRecords, grid: tuple[float, float, int] = TEMPERA
     temps_grid = torch.logspace(math.log10(lo), math.log10(hi), points, dtype=torch.float64)  # [G]
     temps = [1.0] * positions
     prefix = torch.ones(logits.shape[0], dtype=torch.float64)  # prod_{i<k} sigmoid(logit_i / T_i)
-    out = {"temperatures": temps, "samples": [], "survived": [], "ece_before": [], "ece_after": [],
-           "auroc_before": [], "auroc_after": [], "reliability_before": [], "reliability_after": []}
+    out = {
+        "temperatures": temps,
+        "samples": [],
+        "survived": [],
+        "ece_before": [],
+        "ece_after": [],
+        "auroc_before": [],
+        "auroc_after": [],
+        "reliability_before": [],
+        "reliability_after": [],
+    }
     raw = survival(logits, [1.0] * positions)
     for k in range(positions):
         seen = ~torch.isnan(logits[:, k])
@@ -138,7 +163,7 @@ def fit_sts(records: ConfidenceRecords, grid: tuple[float, float, int] = TEMPERA
             out["reliability_after"].append([])
             continue
         candidates = prefix[seen] * torch.sigmoid(logits[seen, k] / temps_grid[:, None])  # [G, N_k]
-        ece = expected_calibration_error(candidates, labels, bins)                         # [G]
+        ece = expected_calibration_error(candidates, labels, bins)  # [G]
         best = ece.min()
         # among (numerically) equal errors keep the temperature closest to 1: no scaling without evidence
         ties = (ece <= best + 1e-12).nonzero().squeeze(-1)
@@ -157,16 +182,31 @@ def fit_sts(records: ConfidenceRecords, grid: tuple[float, float, int] = TEMPERA
     return out
 
 
-def calibrate(target, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int = 128,
-              sampling: SamplingConfig = SamplingConfig(), seed: int = 0, progress: bool = True) -> dict:
+def calibrate(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """Records from live rollouts, then the STS fit; the dict that calibration.json holds."""
     records = collect_records(target, drafter, prompts, max_new_tokens, sampling, seed, progress)
     result = fit_sts(records)
-    result.update(measured_by="dominospec calibrate", target=getattr(target, "name", "model"),
-                  prompts=len(prompts), prompts_fingerprint=prompts_fingerprint(prompts), max_new_tokens=max_new_tokens, sampling_temperature=sampling.temperature,
-                  top_k=sampling.top_k, top_p=sampling.top_p, seed=seed, block_size=drafter.config.block_size)
+    result.update(
+        measured_by="dominospec calibrate",
+        target=getattr(target, "name", "model"),
+        prompts=len(prompts),
+        prompts_fingerprint=prompts_fingerprint(prompts),
+        max_new_tokens=max_new_tokens,
+        sampling_temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=seed,
+        block_size=drafter.config.block_size,
+    )
     return result
-
 
 
 def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
@@ -183,16 +223,21 @@ def write_calibration(directory, result: dict) -> Path:
 
 def format_calibration(result: dict) -> str:
     """Per position: samples, survivals, T_k, ECE and AUROC of the survival product before / after."""
+
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}%"
 
     def num(x):
         return "-" if x is None else f"{x:.3f}"
 
-    lines = ["| k | cycles | all 1..k survived | T_k | ECE raw | ECE calibrated | AUROC raw | AUROC calibrated |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| k | cycles | all 1..k survived | T_k | ECE raw | ECE calibrated | AUROC raw | AUROC calibrated |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for k in range(len(result["temperatures"])):
-        lines.append(f"| {k + 1} | {result['samples'][k]} | {result['survived'][k]} | {result['temperatures'][k]:.3g} | "
-                     f"{pct(result['ece_before'][k])} | {pct(result['ece_after'][k])} | "
-                     f"{num(result['auroc_before'][k])} | {num(result['auroc_after'][k])} |")
+        lines.append(
+            f"| {k + 1} | {result['samples'][k]} | {result['survived'][k]} | {result['temperatures'][k]:.3g} | "
+            f"{pct(result['ece_before'][k])} | {pct(result['ece_after'][k])} | "
+            f"{num(result['auroc_before'][k])} | {num(result['auroc_after'][k])} |"
+        )
     return "\n".join(lines)

@@ -12,12 +12,13 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from ..devices import cpu_model, describe_device, synchronize
+from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..errors import DominoError
 from ..io import cache_dir, write_json_atomic
 from ..sampling import SamplingConfig
@@ -25,8 +26,9 @@ from .propose import draft_block
 
 
 @torch.inference_mode()
-def profile_verify_cost(target, context: int = 256, max_k: int = 16, repeats: int = 7, seed: int = 0,
-                        progress: bool = True) -> dict:
+def profile_verify_cost(
+    target, context: int = 256, max_k: int = 16, repeats: int = 7, seed: int = 0, progress: bool = True
+) -> dict:
     """Median time of one target forward over k new tokens after a cached context, k = 1..max_k.
 
     Repeats are interleaved over k so a slow spell on the machine spreads over all sizes instead
@@ -62,23 +64,39 @@ def profile_verify_cost(target, context: int = 256, max_k: int = 16, repeats: in
                 bar.update()
     seconds = [statistics.median(times[k]) for k in ks]
     fastest = [min(times[k]) for k in ks]
-    return {"device": describe_device(dev), "context": context, "k": ks, "seconds": seconds,
-            "relative_to_1": [s / seconds[0] for s in seconds], "sps": [1.0 / s for s in seconds],
-            "target": getattr(target, "name", "model"), "dtype": str(target.dtype).replace("torch.", ""),
-            "repeats": repeats, "statistic": "median",
-            # noise only ever adds time: on a shared machine the minimum is the steadier estimate
-            "min_seconds": fastest, "min_relative_to_1": [s / fastest[0] for s in fastest]}
+    return {
+        "device": describe_device(dev),
+        "context": context,
+        "k": ks,
+        "seconds": seconds,
+        "relative_to_1": [s / seconds[0] for s in seconds],
+        "sps": [1.0 / s for s in seconds],
+        "target": getattr(target, "name", "model"),
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "repeats": repeats,
+        "statistic": "median",
+        # noise only ever adds time: on a shared machine the minimum is the steadier estimate
+        "min_seconds": fastest,
+        "min_relative_to_1": [s / fastest[0] for s in fastest],
+    }
 
 
 # ----- the device profile: what the rest of the system reads to size its verify blocks -----
+
 
 def device_fingerprint(target) -> dict:
     """What a cost table is only valid for: the hardware, threads, torch, the target and its backend."""
     dev = target.device
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
-    return {"device": dev.type, "hardware": hw, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "target": getattr(target, "name", "model"),
-            "backend": getattr(target, "backend", "hf"), "dtype": str(target.dtype).replace("torch.", "")}
+    return {
+        "device": dev.type,
+        "hardware": hw,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "target": getattr(target, "name", "model"),
+        "backend": getattr(target, "backend", "hf"),
+        "dtype": str(target.dtype).replace("torch.", ""),
+    }
 
 
 def profile_path(fingerprint: dict) -> Path:
@@ -111,17 +129,29 @@ def profile_draft_cost(target, drafter, context: int = 256, repeats: int = 7, se
     return {"context": context, "b": bs, "seconds": [statistics.median(times[b]) for b in bs]}
 
 
-def profile_device(target, drafter=None, contexts: Sequence[int] = (256, 1024), max_k: int = 17,
-                   repeats: int = 7, seed: int = 0, progress: bool = True) -> dict:
+def profile_device(
+    target,
+    drafter=None,
+    contexts: Sequence[int] = (256, 1024),
+    max_k: int = 17,
+    repeats: int = 7,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
     """The device profile: verify cost of k = 1..max_k new tokens at each context (k = 1 is one
     decode step) and, with a drafter, its draft cost per block size."""
     limit = target.max_positions
     usable = [c for c in contexts if not limit or c + max_k <= limit]
     if not usable:
-        raise DominoError(f"no context in {list(contexts)} leaves room for {max_k} tokens in the target's "
-                          f"{limit} positions")
-    table = {"fingerprint": device_fingerprint(target), "max_k": max_k, "repeats": repeats,
-             "verify": {str(c): profile_verify_cost(target, c, max_k, repeats, seed, progress) for c in usable}}
+        raise DominoError(
+            f"no context in {list(contexts)} leaves room for {max_k} tokens in the target's {limit} positions"
+        )
+    table = {
+        "fingerprint": device_fingerprint(target),
+        "max_k": max_k,
+        "repeats": repeats,
+        "verify": {str(c): profile_verify_cost(target, c, max_k, repeats, seed, progress) for c in usable},
+    }
     if drafter is not None:
         table["draft"] = profile_draft_cost(target, drafter, min(usable), repeats, seed)
         table["draft"]["drafter"] = profile_drafter_label(drafter)
@@ -171,31 +201,34 @@ def best_block_size(profile: dict, acceptance: Sequence[float], max_b: int, cont
             continue
         rates[b] = expected_tokens(acceptance, b) / (draft.get(b, 0.0) + verify[b + 1])
     if len(rates) == 1:
-        raise DominoError("the device profile and the drafter's acceptance share no block size; rerun "
-                          "`dominospec profile` with a larger --max-k")
+        raise DominoError(
+            "the device profile and the drafter's acceptance share no block size; rerun "
+            "`dominospec profile` with a larger --max-k"
+        )
     return max(rates, key=rates.get), rates
-
-
-ACCEPTANCE_NAME = "acceptance.json"  # next to a drafter: its conditional acceptance by block position
 
 
 def auto_block_size(target, drafter, context: int = 256) -> tuple[int, str]:
     """--block-size auto: the block size with the most expected tokens/s on this device (0: plain
     decoding wins), and a note saying what it was chosen from (or why the drafter's own is used)."""
     own = drafter.config.block_size
-    source = getattr(drafter, "source_dir", None)
-    acc_path = Path(source) / ACCEPTANCE_NAME if source else None
+    acc_path = sidecar_path(drafter, ACCEPTANCE_NAME)
     if acc_path is None or not acc_path.exists():
-        return own, f"--block-size auto: the drafter has no {ACCEPTANCE_NAME} (`train` writes one when it " \
-                    f"validates, `bench --save-acceptance` from a live run); using its block size {own}"
+        return (
+            own,
+            f"--block-size auto: the drafter has no {ACCEPTANCE_NAME} (`train` writes one when it "
+            f"validates, `bench --save-acceptance` from a live run); using its block size {own}",
+        )
     profile = load_profile(target)
     if profile is None:
-        return own, ("--block-size auto: no device profile for this target, backend, dtype and thread count "
-                     f"(run `dominospec profile`); using the drafter's block size {own}")
+        return own, (
+            "--block-size auto: no device profile for this target, backend, dtype and thread count "
+            f"(run `dominospec profile`); using the drafter's block size {own}"
+        )
     try:
         acceptance = [float(p) for p in json.loads(acc_path.read_text())["conditional"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DominoError(f"{acc_path}: expected {{\"conditional\": [p_1, p_2, ...]}} ({exc})") from None
+        raise DominoError(f'{acc_path}: expected {{"conditional": [p_1, p_2, ...]}} ({exc})') from None
     b, rates = best_block_size(profile, acceptance, own, context)
     shown = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(rates.items()))
     chosen = "plain decoding (no block size beats it here)" if b == 0 else str(b)

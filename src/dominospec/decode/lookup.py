@@ -14,7 +14,7 @@ cycles, known before the target sees this cycle, so a verify-length policy may r
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -22,8 +22,8 @@ from ..errors import DominoError
 from ..sampling import SamplingConfig
 from .propose import Proposal
 
-LOOKUP_BLOCK_SIZE = 8   # drafts per cycle of the lookup proposer alone
-HYBRID_MIN_MATCH = 3    # a hybrid takes the lookup continuation from a suffix match this long
+LOOKUP_BLOCK_SIZE = 8  # drafts per cycle of the lookup proposer alone
+HYBRID_MIN_MATCH = 3  # a hybrid takes the lookup continuation from a suffix match this long
 
 
 class PromptLookup:
@@ -39,22 +39,22 @@ class PromptLookup:
         """Forget everything; index the prompt."""
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
-        self.judged: list[int] = []                  # lookup cycles that reached block position k
-        self.passed: list[int] = []                  # ... and had draft k accepted
+        self.judged: list[int] = []  # lookup cycles that reached block position k
+        self.passed: list[int] = []  # ... and had draft k accepted
         self.extend(prompt_ids)
 
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
             end = len(self.history)  # the n-grams ending at `end - 1` are now followed by t
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self.index[tuple(self.history[end - n:end])] = end
+                self.index[tuple(self.history[end - n : end])] = end
             self.history.append(int(t))
 
     def match(self) -> tuple[int, int]:
         """(start of the continuation, match length) for the longest suffix seen before; (-1, 0) if none."""
         h = self.history
         for n in range(min(self.max_ngram, len(h)), self.min_ngram - 1, -1):
-            start = self.index.get(tuple(h[len(h) - n:]))
+            start = self.index.get(tuple(h[len(h) - n :]))
             if start is not None:
                 return start, n
         return -1, 0
@@ -64,7 +64,7 @@ class PromptLookup:
         start, n = self.match()
         if start < 0 or b < 1:
             return None, n
-        drafts = torch.tensor(self.history[start:start + b], dtype=torch.long, device=device)
+        drafts = torch.tensor(self.history[start : start + b], dtype=torch.long, device=device)
         probs = None
         if not sampling.greedy:  # one-hot: the draft was chosen with certainty
             probs = torch.zeros(len(drafts), vocab_size, device=device)

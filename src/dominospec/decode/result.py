@@ -11,8 +11,8 @@ Two per-cycle lists carry different facts:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 def tokens_per_cycle(committed: Sequence[int]) -> float:
@@ -23,14 +23,14 @@ def tokens_per_cycle(committed: Sequence[int]) -> float:
 
 @dataclass
 class GenerationResult:
-    tokens: list[int]                      # new tokens only
+    tokens: list[int]  # new tokens only
     prompt_len: int
     cycles: int = 0
     block_size: int = 0
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)
-    lookup_cycles: int = 0                 # cycles whose drafts were copied by prompt lookup
+    lookup_cycles: int = 0  # cycles whose drafts were copied by prompt lookup
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -65,9 +65,19 @@ class GenerationResult:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
     def to_dict(self, text: str | None = None) -> dict:
-        return {"text": text, "new_tokens": self.new_tokens, "tokens_per_s": self.tokens_per_s,
-                "tau": self.tau, "cycles": self.cycles, "accepted_per_position": self.accepted_per_position,
-                "verified_per_cycle": self.verified_per_cycle, "wasted_per_cycle": self.wasted_per_cycle,
-                "lookup_cycles": self.lookup_cycles,
-                "draft_s": self.draft_s, "verify_s": self.verify_s, "prefill_s": self.prefill_s,
-                "total_s": self.total_s, "notes": self.notes}
+        return {
+            "text": text,
+            "new_tokens": self.new_tokens,
+            "tokens_per_s": self.tokens_per_s,
+            "tau": self.tau,
+            "cycles": self.cycles,
+            "accepted_per_position": self.accepted_per_position,
+            "verified_per_cycle": self.verified_per_cycle,
+            "wasted_per_cycle": self.wasted_per_cycle,
+            "lookup_cycles": self.lookup_cycles,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "prefill_s": self.prefill_s,
+            "total_s": self.total_s,
+            "notes": self.notes,
+        }

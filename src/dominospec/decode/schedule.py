@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Sequence
 
 import torch
 
+from ..drafter.checkpoint import CALIBRATION_NAME, sidecar_path
 from ..errors import DominoError
 from ..log import log_once
 from .cost import load_profile, profile_drafter_label
@@ -33,7 +33,6 @@ from .propose import Proposal
 
 VERIFY_MODES = ("fixed", "static", "cost")
 DEFAULT_THRESHOLD = 0.5
-CALIBRATION_NAME = "calibration.json"  # next to a drafter: STS temperatures by block position
 
 
 def calibrated_confidence(logits: torch.Tensor, temperatures: Sequence[float] | None) -> torch.Tensor:
@@ -52,11 +51,12 @@ class CostTable:
     verify_s[context] = [seconds for 1, 2, ... new tokens]; draft_s = seconds of drafting the block
     (a cost each cycle pays whatever k is; 0 when unknown).
     """
+
     verify_s: dict[int, list[float]]
     draft_s: float = 0.0
 
     @classmethod
-    def from_profile(cls, profile: dict, drafter=None, block_size: int | None = None) -> "CostTable":
+    def from_profile(cls, profile: dict, drafter=None, block_size: int | None = None) -> CostTable:
         """From a `dominospec profile` table; its draft cost counts only if it was profiled for this drafter."""
         verify = {int(c): [float(s) for s in v["seconds"]] for c, v in profile["verify"].items()}
         draft = 0.0
@@ -74,6 +74,7 @@ class CostTable:
 
 class VerifyPolicy:
     """fixed: verify every draft. Subclasses cut the block; all see only what precedes the verify."""
+
     name = "fixed"
 
     def verify_length(self, proposal: Proposal, context: int = 0) -> int:
@@ -91,6 +92,7 @@ class ConfidencePolicy(VerifyPolicy):
     Proposals from a drafter carry raw confidence logits and get the STS temperatures; a proposal
     whose logits are already estimates (the lookup proposer's running acceptance) is used as is.
     """
+
     temperatures: list[float] | None = None
     note: str = ""  # where the temperatures came from
 
@@ -146,31 +148,44 @@ class CostPolicy(ConfidencePolicy):
         return k
 
     def describe(self) -> dict:
-        return {"verify": self.name, "calibration": self.note, "draft_s": self.costs.draft_s,
-                "profiled_contexts": sorted(self.costs.verify_s)}
+        return {
+            "verify": self.name,
+            "calibration": self.note,
+            "draft_s": self.costs.draft_s,
+            "profiled_contexts": sorted(self.costs.verify_s),
+        }
 
 
 # ----- building a policy for a drafter -----
 
+
 def load_calibration(drafter) -> tuple[list[float] | None, str]:
     """(STS temperatures, a note) from calibration.json next to the drafter; (None, why) when absent."""
-    source = getattr(drafter, "source_dir", None)
-    path = Path(source) / CALIBRATION_NAME if source else None
+    path = sidecar_path(drafter, CALIBRATION_NAME)
     if path is None or not path.exists():
-        return None, (f"no {CALIBRATION_NAME} next to the drafter: raw confidences are used (temperatures 1); "
-                      "run `dominospec calibrate` to calibrate them")
+        return None, (
+            f"no {CALIBRATION_NAME} next to the drafter: raw confidences are used (temperatures 1); "
+            "run `dominospec calibrate` to calibrate them"
+        )
     try:
         temps = [float(t) for t in json.loads(path.read_text())["temperatures"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DominoError(f"{path}: expected {{\"temperatures\": [T_1, T_2, ...]}} ({exc})") from None
+        raise DominoError(f'{path}: expected {{"temperatures": [T_1, T_2, ...]}} ({exc})') from None
     if len(temps) < drafter.config.block_size or not all(math.isfinite(t) and t > 0 for t in temps):
         raise DominoError(f"{path}: needs {drafter.config.block_size} finite temperatures > 0, got {temps}")
     return temps, f"STS temperatures from {path}"
 
 
-def make_policy(mode: str, drafter=None, target=None, threshold: float = DEFAULT_THRESHOLD,
-                costs: CostTable | None = None, block_size: int | None = None, lookup: bool = False,
-                report=log_once) -> VerifyPolicy:
+def make_policy(
+    mode: str,
+    drafter=None,
+    target=None,
+    threshold: float = DEFAULT_THRESHOLD,
+    costs: CostTable | None = None,
+    block_size: int | None = None,
+    lookup: bool = False,
+    report=log_once,
+) -> VerifyPolicy:
     """The verify-length policy for `--verify MODE`.
 
     static and cost read the drafter's confidence head (a drafter without one is refused) or, for prompt
@@ -186,8 +201,10 @@ def make_policy(mode: str, drafter=None, target=None, threshold: float = DEFAULT
         return VerifyPolicy()
     if (drafter is None and not lookup) or (drafter is not None and getattr(drafter, "confidence", None) is None):
         what = "no drafter" if drafter is None else "a drafter without a confidence head"
-        raise DominoError(f"--verify {mode} reads the drafter's confidence head, and this run has {what}; use "
-                          "--verify fixed, or a drafter made with --confidence-head")
+        raise DominoError(
+            f"--verify {mode} reads the drafter's confidence head, and this run has {what}; use "
+            "--verify fixed, or a drafter made with --confidence-head"
+        )
     temps, note = None, "prompt lookup: running acceptance by position"
     if drafter is not None:
         temps, note = load_calibration(drafter)
@@ -198,12 +215,16 @@ def make_policy(mode: str, drafter=None, target=None, threshold: float = DEFAULT
     if costs is None:
         profile = load_profile(target) if target is not None else None
         if profile is None:
-            raise DominoError("--verify cost needs this device's cost table: run `dominospec profile` first (it is "
-                              "stored per device, backend, dtype and thread count)")
+            raise DominoError(
+                "--verify cost needs this device's cost table: run `dominospec profile` first (it is "
+                "stored per device, backend, dtype and thread count)"
+            )
         costs = CostTable.from_profile(profile, drafter, block_size)
         widest = max(len(v) for v in costs.verify_s.values())
         b = block_size or (drafter.config.block_size if drafter is not None else widest)
         if widest < b + 1:
-            report(f"--verify cost: the device profile reaches {widest} new tokens, so at most {widest - 1} drafts "
-                   f"are verified per cycle (rerun `dominospec profile --max-k {b + 1}`)")
+            report(
+                f"--verify cost: the device profile reaches {widest} new tokens, so at most {widest - 1} drafts "
+                f"are verified per cycle (rerun `dominospec profile --max-k {b + 1}`)"
+            )
     return CostPolicy(temps, note, costs=costs)

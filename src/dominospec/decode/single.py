@@ -14,7 +14,7 @@ The speculative cycle (read top to bottom):
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -61,19 +61,28 @@ def _fit_budget(target, prompt_len: int, max_new_tokens: int, notes: list[str]) 
     limit = target.max_positions
     budget = cap_new_tokens(max_new_tokens, prompt_len, limit)
     if budget < 1:
-        raise DominoError(f"the prompt has {prompt_len} tokens and fills the target's context of {limit} "
-                          "positions: there is no room for an answer")
+        raise DominoError(
+            f"the prompt has {prompt_len} tokens and fills the target's context of {limit} "
+            "positions: there is no room for an answer"
+        )
     if budget < max_new_tokens:
-        notes.append(f"max_new_tokens {max_new_tokens} capped at {budget}: the prompt ({prompt_len} tokens) and "
-                     f"the answer must fit the target's context of {limit} positions")
+        notes.append(
+            f"max_new_tokens {max_new_tokens} capped at {budget}: the prompt ({prompt_len} tokens) and "
+            f"the answer must fit the target's context of {limit} positions"
+        )
     return budget
 
 
 @torch.inference_mode()
-def generate_autoregressive(target, prompt_ids: Sequence[int], max_new_tokens: int = 128,
-                            sampling: SamplingConfig = SamplingConfig(), seed: int | None = 0,
-                            eos_ids: Sequence[int] | None = None,
-                            on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+def generate_autoregressive(
+    target,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int | None = 0,
+    eos_ids: Sequence[int] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
     """Plain decoding through the same adapter: the reference for speed and for losslessness."""
     dev = target.device
     ids = _check_prompt(prompt_ids, max_new_tokens).to(dev)
@@ -101,13 +110,21 @@ def generate_autoregressive(target, prompt_ids: Sequence[int], max_new_tokens: i
 
 
 @torch.inference_mode()
-def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tokens: int = 128,
-                         sampling: SamplingConfig = SamplingConfig(), seed: int | None = 0,
-                         block_size: int | None = None, use_head: bool = True,
-                         eos_ids: Sequence[int] | None = None,
-                         on_tokens: Callable[[list[int]], None] | None = None,
-                         verify: VerifyPolicy | None = None, lookup: PromptLookup | None = None,
-                         on_cycle: Callable[[Proposal, int, int], None] | None = None) -> GenerationResult:
+def generate_speculative(
+    target,
+    drafter,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int | None = 0,
+    block_size: int | None = None,
+    use_head: bool = True,
+    eos_ids: Sequence[int] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    verify: VerifyPolicy | None = None,
+    lookup: PromptLookup | None = None,
+    on_cycle: Callable[[Proposal, int, int], None] | None = None,
+) -> GenerationResult:
     """Speculative decoding; output equals `generate_autoregressive` (greedy: token for token).
 
     Proposers: the drafter; prompt lookup alone (drafter=None, lookup given); or both, a hybrid that
@@ -118,8 +135,11 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
     dev = target.device
     if drafter is None and lookup is None:
         raise DominoError("speculative decoding needs a drafter, prompt lookup, or both")
-    b = int(block_size) if block_size is not None else (
-        drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
+    b = (
+        int(block_size)
+        if block_size is not None
+        else (drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
+    )
     top = drafter.config.block_size if drafter is not None else b
     if not 1 <= b <= top:
         raise DominoError(f"block size {b} must be between 1 and the drafter's {top}")
@@ -168,7 +188,7 @@ def generate_speculative(target, drafter, prompt_ids: Sequence[int], max_new_tok
         t2 = time.perf_counter()
         block = torch.cat([anchor, drafts]).unsqueeze(0)  # [1, k+1]
         out = target.forward(block, tcache, layer_ids=layers, with_features=dcache is not None)
-        logits = out.logits[0]                            # [k+1, V]
+        logits = out.logits[0]  # [k+1, V]
         if sampling.greedy:
             n, nxt = accept_greedy(drafts, logits)
         else:

@@ -1,4 +1,8 @@
-"""Drafter checkpoints on disk: config.json + model.safetensors, and the drafters the package ships.
+"""The drafter directory, in one place: its file names, its readers and writers, the shipped drafters.
+
+A drafter directory holds config.json + model.safetensors and, optionally, two sidecar files that
+decoding reads: acceptance.json (conditional acceptance by block position; `--block-size auto`) and
+calibration.json (STS temperatures by block position; `--verify static|cost`).
 
 The target's embedding table and LM head are never saved here: a drafter borrows them at load.
 Reading checks everything a damaged or mismatched directory can get wrong and names the file.
@@ -14,14 +18,28 @@ import torch
 
 from ..errors import DominoError
 from ..io import atomic_path, ensure_writable_dir, write_atomic
-from .config import CONFIG_NAME, FORMAT, WEIGHTS_NAME, DrafterConfig
+from .config import FORMAT, DrafterConfig
 
-SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "drafters"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+ACCEPTANCE_NAME = "acceptance.json"  # conditional acceptance by block position
+CALIBRATION_NAME = "calibration.json"  # STS temperatures by block position
+SIDECAR_NAMES = (ACCEPTANCE_NAME, CALIBRATION_NAME)
+
+SHIPPED_ROOT = Path(__file__).resolve().parent.parent / "shipped_drafters"
 
 
 def shipped_drafter_dir(target_name: str) -> Path:
     """Where the package keeps the default drafter of a target (it may not ship one)."""
     return SHIPPED_ROOT / target_name
+
+
+def sidecar_path(drafter, name: str) -> Path | None:
+    """DIR/name for a drafter loaded from DIR (None for one built in memory); name is a SIDECAR_NAMES entry."""
+    if name not in SIDECAR_NAMES:
+        raise ValueError(f"{name!r} is not a drafter sidecar file ({', '.join(SIDECAR_NAMES)})")
+    directory = getattr(drafter, "directory", None)
+    return Path(directory) / name if directory is not None else None
 
 
 def save_checkpoint(config: DrafterConfig, state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
@@ -42,8 +60,7 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[DrafterConfig, dict[s
 
     d = Path(directory)
     if d.is_file():
-        raise DominoError(f"drafter {d} is a file; a drafter is a directory holding {CONFIG_NAME} and "
-                          f"{WEIGHTS_NAME}")
+        raise DominoError(f"drafter {d} is a file; a drafter is a directory holding {CONFIG_NAME} and {WEIGHTS_NAME}")
     if not d.is_dir():
         raise DominoError(f"drafter {d}: no such directory")
     cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
@@ -65,27 +82,31 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[DrafterConfig, dict[s
     return config, state, w_path
 
 
-def check_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], w_path: Path,
-                cfg_path: Path) -> None:
+def check_state(
+    state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], w_path: Path, cfg_path: Path
+) -> None:
     """The stored tensors are exactly the ones the config implies, with the same shapes, all finite."""
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise DominoError(f"{w_path} does not match {cfg_path}: missing tensors {missing[:5]}"
-                          f"{'...' if len(missing) > 5 else ''}, unexpected tensors {unexpected[:5]}"
-                          f"{'...' if len(unexpected) > 5 else ''}")
+        raise DominoError(
+            f"{w_path} does not match {cfg_path}: missing tensors {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected tensors {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}"
+        )
     for k, v in state.items():
         if tuple(v.shape) != tuple(expected[k].shape):
-            raise DominoError(f"{w_path}: tensor {k} has shape {tuple(v.shape)}, config implies "
-                              f"{tuple(expected[k].shape)}")
+            raise DominoError(
+                f"{w_path}: tensor {k} has shape {tuple(v.shape)}, config implies {tuple(expected[k].shape)}"
+            )
         if v.is_floating_point() and not bool(torch.isfinite(v).all()):
             bad = int((~torch.isfinite(v)).sum())
-            raise DominoError(f"{w_path}: tensor {k} holds {bad} NaN/inf value(s); the drafter is damaged "
-                              f"(a diverged training run?)")
+            raise DominoError(
+                f"{w_path}: tensor {k} holds {bad} NaN/inf value(s); the drafter is damaged (a diverged training run?)"
+            )
 
 
 def check_draft_vocab(draft_vocab: torch.Tensor, vocab_size: int, w_path: Path) -> None:
     dv = draft_vocab
     if int(dv.min()) < 0 or int(dv.max()) >= vocab_size or dv.unique().numel() != dv.numel():
         raise DominoError(f"{w_path}: draft_vocab must hold {dv.numel()} distinct ids in 0..{vocab_size - 1}")
-

@@ -12,8 +12,6 @@ from ..errors import DominoError
 from ..target.features import check_layer_ids
 from .heads import HEADS
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 FORMAT = "dominospec-drafter/1"
 
 
@@ -35,7 +33,7 @@ class DrafterConfig:
     qk_norm: bool = True
     block_size: int = 8
     mask_token_id: int | None = None  # None: a learned mask vector
-    draft_vocab_size: int = 0         # >0: score only this many frequent tokens (lossless; cheaper on CPU)
+    draft_vocab_size: int = 0  # >0: score only this many frequent tokens (lossless; cheaper on CPU)
     # sequential head
     head: str = "domino"
     gru_hidden_size: int = 256
@@ -51,13 +49,25 @@ class DrafterConfig:
         problems = []
         if self.head not in HEADS:
             problems.append(f"head {self.head!r} is not one of {list(HEADS)}")
-        for name in ("hidden_size", "vocab_size", "num_layers", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "block_size", "gru_hidden_size", "rank"):
+        for name in (
+            "hidden_size",
+            "vocab_size",
+            "num_layers",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "block_size",
+            "gru_hidden_size",
+            "rank",
+        ):
             if int(getattr(self, name)) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_attention_heads % max(1, self.num_key_value_heads):
-            problems.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                            f"num_key_value_heads {self.num_key_value_heads}")
+            problems.append(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         if self.head_dim % 2:
             problems.append(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
@@ -69,11 +79,16 @@ class DrafterConfig:
         check_layer_ids(self.target_layer_ids, self.target_num_layers)
 
     @classmethod
-    def for_target(cls, target, **overrides) -> "DrafterConfig":
+    def for_target(cls, target, **overrides) -> DrafterConfig:
         """Defaults that fit `target` (a dominospec Target); any field can be overridden (None: default)."""
-        base = dict(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                    target_num_layers=target.num_layers, target_layer_ids=list(target.layer_ids),
-                    target_name=str(target.name), **target.arch)
+        base = dict(
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            target_num_layers=target.num_layers,
+            target_layer_ids=list(target.layer_ids),
+            target_name=str(target.name),
+            **target.arch,
+        )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -86,13 +101,16 @@ class DrafterConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "config") -> "DrafterConfig":
+    def from_dict(cls, data: dict, source: str = "config") -> DrafterConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise DominoError(f"{source}: unknown drafter config keys {unknown}")
-        required = [f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         missing = [k for k in required if k not in data]
         if missing:
             raise DominoError(f"{source}: missing drafter config keys {missing}")
@@ -102,4 +120,3 @@ class DrafterConfig:
             return cls(**data)
         except TypeError as exc:
             raise DominoError(f"{source}: {exc}") from None
-

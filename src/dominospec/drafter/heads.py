@@ -17,7 +17,7 @@ means adding a class here and a line in HEADS.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,9 @@ WeightedCE = Callable[[torch.Tensor], torch.Tensor]
 
 
 class NoHead(nn.Module):
-    corrects = False            # proposes straight from the base logits
+    corrects = False  # proposes straight from the base logits
     needs_target_probs = False  # its loss needs the target's distribution at each slot
-    uses_curriculum = False     # its loss reads the curriculum weight λ
+    uses_curriculum = False  # its loss reads the curriculum weight λ
 
     def __init__(self, c=None):
         super().__init__()
@@ -56,6 +56,7 @@ class NoHead(nn.Module):
 
 class DominoHead(NoHead):
     """GRU causal encoder over realised block tokens + low-rank logit correction."""
+
     corrects = True
     uses_curriculum = True
 
@@ -110,6 +111,7 @@ class DominoHead(NoHead):
 
 class DSparkHead(NoHead):
     """Shared loss of DSpark's heads: a little CE, mostly L1 between draft and target distributions."""
+
     corrects = True
     needs_target_probs = True
 

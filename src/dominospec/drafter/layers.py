@@ -102,4 +102,3 @@ def block_attention_mask(anchor_pos: torch.Tensor, ctx_len: int, block_size: int
     owner = torch.arange(n, device=dev).repeat_interleave(block_size)
     own = owner.unsqueeze(1) == owner.unsqueeze(0)  # [N*B, N*B]
     return torch.cat([ctx, own], dim=1).view(1, 1, n * block_size, ctx_len + n * block_size)
-

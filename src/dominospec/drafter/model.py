@@ -21,8 +21,8 @@ from torch import nn
 
 from ..errors import DominoError
 from ..target.features import check_layer_ids
-from .checkpoint import check_draft_vocab, check_state, read_checkpoint, save_checkpoint
-from .config import CONFIG_NAME, DrafterConfig
+from .checkpoint import CONFIG_NAME, check_draft_vocab, check_state, read_checkpoint, save_checkpoint
+from .config import DrafterConfig
 from .heads import HEADS, ConfidenceHead
 from .layers import DraftLayer, RMSNorm, block_attention_mask, rope_tables
 
@@ -48,6 +48,7 @@ class Drafter(nn.Module):
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_token_id is None else None
         self.head = HEADS[c.head](c)
         self.confidence = ConfidenceHead(c) if c.confidence_head else None
+        self.directory: Path | None = None  # set by from_pretrained: where the sidecar files live
         if c.draft_vocab_size:  # draft-vocabulary slot -> target token id; set by training
             self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size))
         self.apply(self._init)
@@ -65,7 +66,7 @@ class Drafter(nn.Module):
                 nn.init.zeros_(m.bias)
 
     @classmethod
-    def for_target(cls, target, **arch) -> "Drafter":
+    def for_target(cls, target, **arch) -> Drafter:
         """A fresh drafter shaped for `target` (arch: DrafterConfig fields; None keeps a default), attached.
 
         A learned mask vector starts at the mean target embedding, a neutral point of its space.
@@ -77,7 +78,7 @@ class Drafter(nn.Module):
         return drafter.attach(target)
 
     # ----- the target's frozen tables -----
-    def attach(self, target) -> "Drafter":
+    def attach(self, target) -> Drafter:
         """Check that this drafter fits `target`, borrow its embedding and LM head, match device/dtype."""
         self.check_fits(target)
         self.to(device=target.device, dtype=target.dtype)
@@ -87,13 +88,17 @@ class Drafter(nn.Module):
 
     def check_fits(self, target) -> None:
         c = self.config
-        pairs = [("hidden_size", c.hidden_size, target.hidden_size),
-                 ("vocab_size", c.vocab_size, target.vocab_size),
-                 ("target_num_layers", c.target_num_layers, target.num_layers)]
+        pairs = [
+            ("hidden_size", c.hidden_size, target.hidden_size),
+            ("vocab_size", c.vocab_size, target.vocab_size),
+            ("target_num_layers", c.target_num_layers, target.num_layers),
+        ]
         bad = [f"{name}: drafter {mine} vs target {theirs}" for name, mine, theirs in pairs if mine != theirs]
         if bad:
-            raise DominoError(f"drafter (made for {c.target_name or 'another target'!r}) does not fit target "
-                              f"{target.name!r}: " + "; ".join(bad))
+            raise DominoError(
+                f"drafter (made for {c.target_name or 'another target'!r}) does not fit target "
+                f"{target.name!r}: " + "; ".join(bad)
+            )
         check_layer_ids(c.target_layer_ids, target.num_layers)  # the drafter says which layers it reads
 
     def _tables(self):
@@ -211,7 +216,7 @@ class Drafter(nn.Module):
         save_checkpoint(self.config, self.state_dict(), directory)
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, target=None) -> "Drafter":
+    def from_pretrained(cls, directory: str | os.PathLike, target=None) -> Drafter:
         """Load a drafter directory; with `target`, also check the fit and attach to it."""
         config, state, w_path = read_checkpoint(directory)
         model = cls(config)
@@ -220,7 +225,7 @@ class Drafter(nn.Module):
         if config.draft_vocab_size:
             check_draft_vocab(model.draft_vocab, config.vocab_size, w_path)
         model.eval()
-        model.source_dir = Path(directory)  # where its acceptance.json and calibration live, if any
+        model.directory = Path(directory)  # where its sidecar files live (checkpoint.sidecar_path)
         if target is not None:
             model.attach(target)
         return model

@@ -14,6 +14,17 @@ from .load import BUNDLED_ALIASES, DEFAULT_TARGET
 
 load_target = Target.load
 
-__all__ = ["Target", "TargetOutput", "load_target", "DEFAULT_TARGET", "BUNDLED_ALIASES",
-           "MIN_ANSWER_TOKENS", "cap_new_tokens", "encode_if_fits", "prompt_too_long",
-           "check_layer_ids", "default_layer_ids", "parse_layer_ids"]
+__all__ = [
+    "Target",
+    "TargetOutput",
+    "load_target",
+    "DEFAULT_TARGET",
+    "BUNDLED_ALIASES",
+    "MIN_ANSWER_TOKENS",
+    "cap_new_tokens",
+    "encode_if_fits",
+    "prompt_too_long",
+    "check_layer_ids",
+    "default_layer_ids",
+    "parse_layer_ids",
+]

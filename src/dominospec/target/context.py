@@ -10,7 +10,7 @@ nothing).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 MIN_ANSWER_TOKENS = 16
 
@@ -30,12 +30,15 @@ def prompt_too_long(n_tokens: int, max_positions: int | None) -> str | None:
     """Why a prompt of `n_tokens` cannot be answered within the context, or None when it can."""
     if max_positions is None or n_tokens + MIN_ANSWER_TOKENS <= max_positions:
         return None
-    return (f"has {n_tokens} tokens; the target's context of {max_positions} positions takes prompts of at "
-            f"most {max_positions - MIN_ANSWER_TOKENS} tokens (room for a {MIN_ANSWER_TOKENS}-token answer)")
+    return (
+        f"has {n_tokens} tokens; the target's context of {max_positions} positions takes prompts of at "
+        f"most {max_positions - MIN_ANSWER_TOKENS} tokens (room for a {MIN_ANSWER_TOKENS}-token answer)"
+    )
 
 
-def encode_if_fits(text: str, encode: Callable[[str], list[int]], max_positions: int | None,
-                   max_token_chars: int | None) -> tuple[list[int] | None, str | None]:
+def encode_if_fits(
+    text: str, encode: Callable[[str], list[int]], max_positions: int | None, max_token_chars: int | None
+) -> tuple[list[int] | None, str | None]:
     """(prompt ids, None), or (None, why the prompt cannot be answered within the context).
 
     `encode` turns the text into the full prompt (chat template included); it is not called for
@@ -44,9 +47,11 @@ def encode_if_fits(text: str, encode: Callable[[str], list[int]], max_positions:
     if max_positions is not None and max_token_chars:
         most_chars = (max_positions - MIN_ANSWER_TOKENS) * max_token_chars
         if len(text) > most_chars:
-            return None, (f"has {len(text)} characters; the target's context of {max_positions} positions "
-                          f"holds at most {most_chars} (no token covers more than {max_token_chars}) with room "
-                          f"for a {MIN_ANSWER_TOKENS}-token answer")
+            return None, (
+                f"has {len(text)} characters; the target's context of {max_positions} positions "
+                f"holds at most {most_chars} (no token covers more than {max_token_chars}) with room "
+                f"for a {MIN_ANSWER_TOKENS}-token answer"
+            )
     ids = encode(text)
     reason = prompt_too_long(len(ids), max_positions)
     return (None, reason) if reason else (ids, None)

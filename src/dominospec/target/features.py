@@ -7,7 +7,7 @@ never used: transformers replaces its entry with the post-final-norm state.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import DominoError
 
@@ -36,7 +36,8 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     if bad:
         raise DominoError(
             f"target_layer_ids {ids}: {bad} out of range for a target with {num_layers} decoder layers "
-            f"(valid: 0..{num_layers - 2}; the last layer's hidden state is post-norm and cannot be used)")
+            f"(valid: 0..{num_layers - 2}; the last layer's hidden state is post-norm and cannot be used)"
+        )
     if len(set(ids)) != len(ids):
         raise DominoError(f"target_layer_ids {ids} has duplicates")
     return ids

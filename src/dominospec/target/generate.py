@@ -14,12 +14,23 @@ from ..sampling import SamplingConfig, sample_rows
 
 
 @torch.inference_mode()
-def hf_generate(target, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                top_k: int = 0, top_p: float = 1.0, prompt_lookup: int = 0) -> list[int]:
+def hf_generate(
+    target,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    prompt_lookup: int = 0,
+) -> list[int]:
     """Plain transformers decoding (or its prompt lookup with `prompt_lookup` tokens), batch 1."""
     ids = torch.tensor([prompt_ids], device=target.device)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                  eos_token_id=target.eos_ids or None, pad_token_id=target.pad_id)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        eos_token_id=target.eos_ids or None,
+        pad_token_id=target.pad_id,
+    )
     if temperature > 0:
         kwargs.update(temperature=temperature, top_k=top_k or None, top_p=top_p)
     else:
@@ -27,12 +38,19 @@ def hf_generate(target, prompt_ids: list[int], max_new_tokens: int, temperature:
     if prompt_lookup:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 @torch.inference_mode()
-def sample_batch(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.7,
-                 top_p: float = 0.8, top_k: int = 0, seed: int = 0) -> list[list[int]]:
+def sample_batch(
+    target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.7,
+    top_p: float = 0.8,
+    top_k: int = 0,
+    seed: int = 0,
+) -> list[list[int]]:
     """Batched generation; each answer cut after its first EOS (native ragged rows, or transformers' left padding)."""
     if not prompts:
         return []
@@ -43,8 +61,8 @@ def sample_batch(target, prompts: list[list[int]], max_new_tokens: int, temperat
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     ids, mask = ids.to(target.device), mask.to(target.device)
     torch.manual_seed(seed)
     kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=target.eos_ids or None, pad_token_id=pad)
@@ -62,8 +80,15 @@ def sample_batch(target, prompts: list[list[int]], max_new_tokens: int, temperat
 
 
 @torch.inference_mode()
-def native_sample_batch(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.7,
-                        top_p: float = 0.8, top_k: int = 0, seed: int = 0) -> list[list[int]]:
+def native_sample_batch(
+    target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.7,
+    top_p: float = 0.8,
+    top_k: int = 0,
+    seed: int = 0,
+) -> list[list[int]]:
     native, dev = target.native, target.device
     sampling = SamplingConfig(temperature, top_k, top_p)
     cache = native.new_cache(batch=len(prompts), max_len=max(len(p) for p in prompts) + max_new_tokens + 1)
@@ -81,7 +106,7 @@ def native_sample_batch(target, prompts: list[list[int]], max_new_tokens: int, t
     done: set[int] = set()
     for _ in range(max_new_tokens):
         picks = sample_rows(logits, sampling, [gens[i] for i in rows])
-        for r, (i, t) in enumerate(zip(rows, picks)):
+        for i, t in zip(rows, picks):
             if i not in done:
                 answers[i].append(t)
                 if t in eos:

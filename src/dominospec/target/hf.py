@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -34,15 +34,21 @@ BACKENDS = ("auto", "native", "hf")
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor                # [1, S, V] (only the last row when last_logits_only)
-    features: torch.Tensor | None       # [1, S, n*H] decoder-layer outputs at the feature layers
+    logits: torch.Tensor  # [1, S, V] (only the last row when last_logits_only)
+    features: torch.Tensor | None  # [1, S, n*H] decoder-layer outputs at the feature layers
 
 
 class Target:
     """A frozen HF causal LM: forward with a cache, rollback, frozen tables, text."""
 
-    def __init__(self, model: nn.Module, tokenizer=None, layer_ids: Sequence[int] | None = None,
-                 name: str = "model", backend: str = "hf"):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        layer_ids: Sequence[int] | None = None,
+        name: str = "model",
+        backend: str = "hf",
+    ):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -52,8 +58,9 @@ class Target:
         self.num_layers = int(cfg.num_hidden_layers)
         self.hidden_size = int(cfg.hidden_size)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self.layer_ids = check_layer_ids(layer_ids if layer_ids is not None
-                                         else default_layer_ids(self.num_layers), self.num_layers)
+        self.layer_ids = check_layer_ids(
+            layer_ids if layer_ids is not None else default_layer_ids(self.num_layers), self.num_layers
+        )
         # transformers 5.24 renamed past_key_values to cache (old name warns, removed in 5.40)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -73,9 +80,15 @@ class Target:
         return "native" if self.native is not None else "hf"
 
     @classmethod
-    def load(cls, name_or_path: str | None = None, device: str | None = "auto",
-             dtype: str | torch.dtype | None = "auto", layer_ids: Sequence[int] | None = None,
-             progress=None, backend: str = "auto") -> "Target":
+    def load(
+        cls,
+        name_or_path: str | None = None,
+        device: str | None = "auto",
+        dtype: str | torch.dtype | None = "auto",
+        layer_ids: Sequence[int] | None = None,
+        progress=None,
+        backend: str = "auto",
+    ) -> Target:
         """By alias (default: the bundled model), local directory or hub id; see load.py.
 
         backend: auto (native where supported), native (says so when it is not), hf.
@@ -116,12 +129,14 @@ class Target:
         heads = int(getattr(cfg, "num_attention_heads", 8))
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        return {"num_attention_heads": heads,
-                "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
-                "head_dim": int(getattr(cfg, "head_dim", None) or self.hidden_size // heads),
-                "intermediate_size": int(getattr(cfg, "intermediate_size", None) or 4 * self.hidden_size),
-                "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
-                "rope_theta": float(theta if theta is not None else getattr(cfg, "rope_theta", 10000.0))}
+        return {
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
+            "head_dim": int(getattr(cfg, "head_dim", None) or self.hidden_size // heads),
+            "intermediate_size": int(getattr(cfg, "intermediate_size", None) or 4 * self.hidden_size),
+            "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            "rope_theta": float(theta if theta is not None else getattr(cfg, "rope_theta", 10000.0)),
+        }
 
     # ----- frozen tables -----
     @property
@@ -138,10 +153,19 @@ class Target:
         return self.model.get_output_embeddings()(hidden)
 
     # the weights of decoder layer j under family-neutral names (for initialising a draft layer)
-    LAYER_WEIGHTS = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm",
-                     "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-                     "o_proj": "self_attn.o_proj", "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm",
-                     "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+    LAYER_WEIGHTS = {
+        "input_norm": "input_layernorm",
+        "post_norm": "post_attention_layernorm",
+        "q_proj": "self_attn.q_proj",
+        "k_proj": "self_attn.k_proj",
+        "v_proj": "self_attn.v_proj",
+        "o_proj": "self_attn.o_proj",
+        "q_norm": "self_attn.q_norm",
+        "k_norm": "self_attn.k_norm",
+        "gate_proj": "mlp.gate_proj",
+        "up_proj": "mlp.up_proj",
+        "down_proj": "mlp.down_proj",
+    }
 
     def decoder_layer_weights(self, j: int) -> dict[str, torch.Tensor]:
         """Decoder layer j's weights, {neutral name: tensor}; modules the family lacks (q/k norm) are absent."""
@@ -189,8 +213,14 @@ class Target:
 
     # ----- forward -----
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache, last_logits_only: bool = False,
-                with_features: bool = True, layer_ids: Sequence[int] | None = None) -> TargetOutput:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        cache,
+        last_logits_only: bool = False,
+        with_features: bool = True,
+        layer_ids: Sequence[int] | None = None,
+    ) -> TargetOutput:
         """Run ids [1, S] after the cached prefix; extends the cache in place.
 
         Returns logits and the concatenated hidden states of `layer_ids` (default: the target's
@@ -198,13 +228,22 @@ class Target:
         """
         layers = list(layer_ids or self.layer_ids)
         if self.native is not None:
-            logits, feats = self.native(ids, cache, logits="last" if last_logits_only else "all",
-                                        feature_layers=layers if with_features else None)
+            logits, feats = self.native(
+                ids,
+                cache,
+                logits="last" if last_logits_only else "all",
+                feature_layers=layers if with_features else None,
+            )
             return TargetOutput(logits.unsqueeze(1) if last_logits_only else logits, feats)
         past = self.cache_length(cache)
         positions = torch.arange(past, past + ids.shape[1], device=ids.device).unsqueeze(0)
-        kwargs = {"input_ids": ids, self._cache_kw: cache, "use_cache": True, "position_ids": positions,
-                  "output_hidden_states": with_features}
+        kwargs = {
+            "input_ids": ids,
+            self._cache_kw: cache,
+            "use_cache": True,
+            "position_ids": positions,
+            "output_hidden_states": with_features,
+        }
         if last_logits_only:
             kwargs["logits_to_keep"] = 1
         out = self.model(**kwargs)
@@ -215,8 +254,9 @@ class Target:
         return TargetOutput(out.logits, feats)
 
     @torch.no_grad()  # not inference_mode: the trainer feeds these rows to a drafter under autograd
-    def sequence_features(self, seqs: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None
-                          ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def sequence_features(
+        self, seqs: Sequence[Sequence[int]], layer_ids: Sequence[int] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """No-cache batched forward for training and validation, one right-padded batch.
 
         Returns, per sequence, its feature-layer states [S_i, n*H] and its post-norm final hidden
@@ -229,14 +269,18 @@ class Target:
         ids = torch.zeros(len(seqs), max(lens), dtype=torch.long)
         att = torch.zeros_like(ids)
         for r, s in enumerate(seqs):
-            ids[r, :lens[r]] = torch.tensor(list(s))
-            att[r, :lens[r]] = 1
-        out = self.model(input_ids=ids.to(self.device), attention_mask=att.to(self.device), use_cache=False,
-                         output_hidden_states=True, logits_to_keep=1)
+            ids[r, : lens[r]] = torch.tensor(list(s))
+            att[r, : lens[r]] = 1
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=att.to(self.device),
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
         hs = out.hidden_states
         feats = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)  # [N, S, n*H]
-        return ([feats[r, :n].clone() for r, n in enumerate(lens)],
-                [hs[-1][r, :n].clone() for r, n in enumerate(lens)])
+        return ([feats[r, :n].clone() for r, n in enumerate(lens)], [hs[-1][r, :n].clone() for r, n in enumerate(lens)])
 
     def _native_sequence_features(self, seqs, layer_ids: list[int]):
         """The same on the native path, one sequence at a time (no padding computed). HF's last hidden
@@ -254,12 +298,26 @@ class Target:
         return feats, finals
 
     # ----- transformers' own generate: benchmark baselines and data making -----
-    def hf_generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-                    top_k: int = 0, top_p: float = 1.0, prompt_lookup: int = 0) -> list[int]:
+    def hf_generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        prompt_lookup: int = 0,
+    ) -> list[int]:
         return hf_generate(self, prompt_ids, max_new_tokens, temperature, top_k, top_p, prompt_lookup)
 
-    def sample_batch(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.7,
-                     top_p: float = 0.8, top_k: int = 0, seed: int = 0) -> list[list[int]]:
+    def sample_batch(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float = 0.7,
+        top_p: float = 0.8,
+        top_k: int = 0,
+        seed: int = 0,
+    ) -> list[list[int]]:
         return sample_batch(self, prompts, max_new_tokens, temperature, top_p, top_k, seed)
 
     # ----- text -----
@@ -267,8 +325,11 @@ class Target:
     def eos_ids(self) -> list[int]:
         ids: set[int] = set()
         gen = getattr(self.model, "generation_config", None)
-        for src in (getattr(gen, "eos_token_id", None), getattr(self.model.config, "eos_token_id", None),
-                    getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None):
+        for src in (
+            getattr(gen, "eos_token_id", None),
+            getattr(self.model.config, "eos_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None,
+        ):
             if src is None:
                 continue
             ids.update([src] if isinstance(src, int) else list(src))
@@ -292,8 +353,7 @@ class Target:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                           enable_thinking=False)
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
             return tok(text, add_special_tokens=False)["input_ids"]
         return tok("\n".join(m["content"] for m in messages))["input_ids"]
 
@@ -303,9 +363,10 @@ class Target:
         if not getattr(tok, "chat_template", None):
             return tok(opening)["input_ids"]
         mark = "\x00DOMINO-USER-TURN\x00"
-        text = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
-                                       add_generation_prompt=False, enable_thinking=False)
-        return tok(text[:text.index(mark)] + opening, add_special_tokens=False)["input_ids"]
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": mark}], tokenize=False, add_generation_prompt=False, enable_thinking=False
+        )
+        return tok(text[: text.index(mark)] + opening, add_special_tokens=False)["input_ids"]
 
     def encode_raw(self, text: str) -> list[int]:
         return self._need_tokenizer()(text)["input_ids"]

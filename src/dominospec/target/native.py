@@ -39,7 +39,10 @@ def native_support(hf_model) -> str | None:
     if rope is None or not isinstance(rope_type, str) or not torch.is_tensor(getattr(rope, "inv_freq", None)):
         return "the model has no single static rotary embedding (model.model.rotary_emb.inv_freq)."
     if rope_type in ("dynamic", "longrope"):
-        return f"rope scaling {rope_type!r} recomputes frequencies from the sequence length; only static rope is supported."
+        return (
+            f"rope scaling {rope_type!r} recomputes frequencies from the sequence length; "
+            "only static rope is supported."
+        )
     window = getattr(cfg, "sliding_window", None)
     sliding_layers = mt == "mistral" or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
     if window is not None and sliding_layers and window < cfg.max_position_embeddings:
@@ -67,7 +70,7 @@ class NativeConfig:
     qk_norm: bool  # Qwen3: RMSNorm over each q/k head before RoPE
 
     @classmethod
-    def from_hf(cls, config) -> "NativeConfig":
+    def from_hf(cls, config) -> NativeConfig:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(
             model_type=config.model_type,
@@ -89,7 +92,7 @@ def _packing_available() -> bool:
 
 
 class Linear(nn.Module):
-    """y = x @ W^T + b with the CPU fp32 kernel that measured fastest per row count (KERNELS.md).
+    """y = x @ W^T + b with the CPU fp32 kernel that measured fastest per row count.
 
     M >= 2 rows (verify/prefill): oneDNN with W reordered once into its blocked layout (no per-call
     re-packing; 1.3-2x faster than F.linear here). M = 1 (decode, memory-bound): MKL against a
@@ -177,14 +180,14 @@ class KVCache:
     def reset(self) -> None:
         self.lengths = [0] * self.batch
 
-    def row(self, b: int) -> "KVCache":
+    def row(self, b: int) -> KVCache:
         """Row b as a batch-1 cache on the same storage: a prompt can be prefilled alone, unpadded.
 
         Writes through the view land in this cache; copy its length back afterwards (set_length).
         The view must not grow (size this cache for the prompt first).
         """
         view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, b: b + 1], self.v[:, b: b + 1]
+        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
         view.lengths = [self.lengths[b]]
         return view
 
@@ -218,7 +221,7 @@ class Rope:
         self.cos = (emb.cos() * self.scaling).to(self.dtype)
         sin = (emb.sin() * self.scaling).to(self.dtype)
         # rotate_half(x) = [-x2, x1] = roll(x, D/2) * [-1.., +1..]: fold the sign into sin.
-        self.sin = torch.cat((-sin[:, : self.half], sin[:, self.half:]), dim=-1)
+        self.sin = torch.cat((-sin[:, : self.half], sin[:, self.half :]), dim=-1)
 
     def tables(self, needed: int):
         if needed > self.cos.shape[0]:
@@ -249,34 +252,36 @@ class Block(nn.Module):
             gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
             self.qk_norm = None
             if cfg.qk_norm:  # per-head weights stacked so q and k are normed in one op
-                self.qk_norm = torch.cat([a.q_norm.weight.expand(cfg.num_heads, -1),
-                                          a.k_norm.weight.expand(cfg.num_kv_heads, -1)])  # [Hq+Hkv, D]
+                self.qk_norm = torch.cat(
+                    [a.q_norm.weight.expand(cfg.num_heads, -1), a.k_norm.weight.expand(cfg.num_kv_heads, -1)]
+                )  # [Hq+Hkv, D]
         self.qkv = Linear(qkv_w, qkv_b)
         self.o = Linear(a.o_proj.weight, a.o_proj.bias)
         self.gate_up = Linear(gu_w, gu_b)
         self.down = Linear(m.down_proj.weight, m.down_proj.bias)
-        self.scale = float(getattr(a, "scaling", cfg.head_dim ** -0.5))  # HF's own softmax scale
+        self.scale = float(getattr(a, "scaling", cfg.head_dim**-0.5))  # HF's own softmax scale
 
-    def forward(self, x, layer: int, cache: KVCache, ctx: "_Step") -> torch.Tensor:
+    def forward(self, x, layer: int, cache: KVCache, ctx: _Step) -> torch.Tensor:
         c = self.cfg
         B, S, _ = x.shape
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         qkv = self.qkv(rms_norm(x, self.attn_norm, self.eps)).view(B, S, Hq + 2 * Hkv, D)  # heads q|k|v
-        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv:]  # q and k heads side by side; [B, S, Hkv, D]
+        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]  # q and k heads side by side; [B, S, Hkv, D]
         if self.qk_norm is not None:
             qk = rms_norm(qk, None, self.eps) * self.qk_norm  # [B, S, Hq+Hkv, D]
         qk = ctx.rope.apply(qk, ctx.cos, ctx.sin)  # one RoPE for q and k together
         q, k = qk[:, :, :Hq], qk[:, :, Hq:]  # [B, S, Hq, D], [B, S, Hkv, D]
         kc, vc = cache.k[layer], cache.v[layer]  # [B, Hkv, max_len, D]
         for rows, p in ctx.writes:  # padding columns land past the row's length: never read
-            kc[rows, :, p: p + S] = k[rows].transpose(1, 2)
-            vc[rows, :, p: p + S] = v[rows].transpose(1, 2)
+            kc[rows, :, p : p + S] = k[rows].transpose(1, 2)
+            vc[rows, :, p : p + S] = v[rows].transpose(1, 2)
         keys, vals = kc[:, :, : ctx.T], vc[:, :, : ctx.T]  # [B, Hkv, T, D] views, no copy
         if ctx.grouped:  # S == 1, no mask: fold the q heads of one kv group into the query axis
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, vals, scale=self.scale)
         else:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=ctx.mask,
-                                                 scale=self.scale, enable_gqa=True)  # [B, Hq, S, D]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, vals, attn_mask=ctx.mask, scale=self.scale, enable_gqa=True
+            )  # [B, Hq, S, D]
             out = out.transpose(1, 2)
         h = x + self.o(out.reshape(B, S, Hq * D))  # out-of-place: x may be a returned feature
         gate, up = self.gate_up(rms_norm(h, self.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B, S, I] x2
@@ -286,6 +291,7 @@ class Block(nn.Module):
 @dataclass
 class _Step:
     """What every layer of one forward shares: RoPE rows, where to write, how far to read, mask."""
+
     rope: Rope
     cos: torch.Tensor
     sin: torch.Tensor
@@ -309,7 +315,7 @@ class NativeModel(nn.Module):
         self.rope = Rope(inner.rotary_emb, cfg.head_dim, self.dtype, self.device)
 
     @classmethod
-    def from_hf(cls, hf_model) -> "NativeModel":
+    def from_hf(cls, hf_model) -> NativeModel:
         why = native_support(hf_model)
         if why is not None:
             raise ValueError(why)
@@ -323,8 +329,14 @@ class NativeModel(nn.Module):
         return KVCache(self.cfg, batch, max_len, self.dtype, self.device)
 
     @torch.no_grad()  # not inference_mode: returned features may feed a drafter that trains
-    def forward(self, input_ids: torch.Tensor, cache: KVCache, num_new: list[int] | None = None,
-                logits: str = "all", feature_layers: list[int] | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        num_new: list[int] | None = None,
+        logits: str = "all",
+        feature_layers: list[int] | None = None,
+    ):
         """Append tokens to the cache and run them; returns (logits, features).
 
         input_ids [B, S]: row b appends its first num_new[b] tokens (default S) at positions
@@ -350,7 +362,7 @@ class NativeModel(nn.Module):
         cos, sin = self.rope.tables(max(starts) + S)
         if B == 1 or len(set(starts)) == 1:  # same positions in every row: slice, no gather
             p = starts[0]
-            cos, sin = cos[None, p: p + S, None], sin[None, p: p + S, None]  # [1, S, 1, D]
+            cos, sin = cos[None, p : p + S, None], sin[None, p : p + S, None]  # [1, S, 1, D]
             pos = None
             writes = [(slice(None), p)]
         else:

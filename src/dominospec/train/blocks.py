@@ -36,7 +36,7 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
     """
     s = input_ids.shape[0]
     offs = torch.arange(block)
-    pos_in = anchors.unsqueeze(1) + offs           # [N, B]
+    pos_in = anchors.unsqueeze(1) + offs  # [N, B]
     pos_lab = pos_in + 1
     tokens = input_ids[pos_in.clamp(max=s - 1)]
     labels = input_ids[pos_lab.clamp(max=s - 1)].clone()
@@ -56,16 +56,18 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, rng: random.Random) -> torch
 @dataclass
 class TeacherForced:
     """One sequence's blocks run the training way. Shapes: N blocks of B slots, H hidden, V' draft vocabulary."""
-    tokens: torch.Tensor    # [N, B] x_{a+k}: what slot k reads (slot 0: the anchor)
-    labels: torch.Tensor    # [N, B] x_{a+1+k} as target ids, IGNORE where there is none
-    z: torch.Tensor         # [N, B, H] backbone output
+
+    tokens: torch.Tensor  # [N, B] x_{a+k}: what slot k reads (slot 0: the anchor)
+    labels: torch.Tensor  # [N, B] x_{a+1+k} as target ids, IGNORE where there is none
+    z: torch.Tensor  # [N, B, H] backbone output
     prev_emb: torch.Tensor  # [N, B, H] embeddings of tokens
-    base: torch.Tensor      # [N, B, V'] frozen LM head on z
-    final: torch.Tensor     # [N, B, V'] base + the head's teacher-forced correction
+    base: torch.Tensor  # [N, B, V'] frozen LM head on z
+    final: torch.Tensor  # [N, B, V'] base + the head's teacher-forced correction
 
 
-def teacher_forced_blocks(drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                          anchors: torch.Tensor) -> TeacherForced:
+def teacher_forced_blocks(
+    drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor
+) -> TeacherForced:
     """All blocks of one sequence in one drafter forward, the head fed the true tokens (training and validation).
 
     features: [S, n*H] target features of the whole sequence; anchors: [N] block anchor positions.
@@ -78,8 +80,9 @@ def teacher_forced_blocks(drafter, features: torch.Tensor, input_ids: torch.Tens
     return TeacherForced(tokens, labels, z, prev_emb, base, base if delta is None else base + delta)
 
 
-def simulated_tau(final_logits: torch.Tensor, labels: torch.Tensor,
-                  target_probs: torch.Tensor | None = None) -> tuple[float, float | None]:
+def simulated_tau(
+    final_logits: torch.Tensor, labels: torch.Tensor, target_probs: torch.Tensor | None = None
+) -> tuple[float, float | None]:
     """Expected tokens per cycle if these blocks were verified: greedy and (with p_t) sampling.
 
     greedy: 1 + sum_k prod_{i<=k} [argmax == label]; sampling: 1 + sum_k prod_{i<=k} (1 - TV_i).
@@ -94,4 +97,3 @@ def simulated_tau(final_logits: torch.Tensor, labels: torch.Tensor,
         keep = keep * valid.float()
         sampled = float((1 + keep.cumprod(-1).sum(-1)).mean())
     return greedy, sampled
-

@@ -36,4 +36,3 @@ def init_distributed(device: torch.device) -> Dist:
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend)
     return Dist(torch.distributed.get_rank(), torch.distributed.get_world_size())
-

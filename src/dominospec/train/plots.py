@@ -13,6 +13,7 @@ def plot_metrics(metrics_path: Path, png: Path) -> bool:
     """Draw `png` from metrics.jsonl; False (said once) when matplotlib is missing."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -40,4 +41,3 @@ def plot_metrics(metrics_path: Path, png: Path) -> bool:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     return True
-

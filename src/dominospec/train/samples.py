@@ -40,8 +40,10 @@ def validate_samples(samples: list[dict], target, max_len: int, source: str, rep
         if len(ids) != len(mask):
             raise DominoError(f"{source}: {where}: {len(ids)} tokens but {len(mask)} loss-mask entries")
         if ids and max(ids) >= target.vocab_size:
-            raise DominoError(f"{source}: {where} has token id {max(ids)} outside the target's vocabulary "
-                              f"({target.vocab_size}); was the data made for another target?")
+            raise DominoError(
+                f"{source}: {where} has token id {max(ids)} outside the target's vocabulary "
+                f"({target.vocab_size}); was the data made for another target?"
+            )
         if len(ids) > limit:
             cut += 1
             s = {**s, "input_ids": ids[:limit], "loss_mask": mask[:limit]}
@@ -51,8 +53,10 @@ def validate_samples(samples: list[dict], target, max_len: int, source: str, rep
         usable += _has_anchor(s["loss_mask"])
         kept.append(s)
     if cut:
-        report(f"{source}: {cut} sample(s) longer than the context limit {limit} (--max-seq-len / the target's "
-               f"max_position_embeddings) cut to it; {dropped} of them dropped, no answer left within the limit")
+        report(
+            f"{source}: {cut} sample(s) longer than the context limit {limit} (--max-seq-len / the target's "
+            f"max_position_embeddings) cut to it; {dropped} of them dropped, no answer left within the limit"
+        )
     if usable == 0:
         raise DominoError(f"{source}: every sample is fully masked (no two consecutive supervised tokens)")
     return kept
@@ -98,8 +102,10 @@ def init_from_target_layer(drafter, target, first: int) -> list[str]:
                 if mine is None:
                     continue
                 if mine.shape != weight.shape:
-                    raise DominoError(f"--init-from-layer {first + i}: target weight {name} has shape "
-                                      f"{tuple(weight.shape)}, the draft layer's has {tuple(mine.shape)}")
+                    raise DominoError(
+                        f"--init-from-layer {first + i}: target weight {name} has shape "
+                        f"{tuple(weight.shape)}, the draft layer's has {tuple(mine.shape)}"
+                    )
                 mine.copy_(weight.to(mine.dtype))
                 copied.append(f"layers.{i}.{name}")
     return copied

@@ -25,17 +25,15 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..decode.cost import ACCEPTANCE_NAME
 from ..drafter import Drafter
-from ..drafter.checkpoint import check_state, read_checkpoint, save_checkpoint
-from ..drafter.config import CONFIG_NAME
+from ..drafter.checkpoint import ACCEPTANCE_NAME, CONFIG_NAME, check_state, read_checkpoint, save_checkpoint
 from ..errors import DominoError, flag
 from ..io import atomic_path, ensure_writable_dir, exclusive_lock, write_json_atomic, write_lines_atomic
 from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau, teacher_forced_blocks
@@ -44,38 +42,48 @@ from .plots import plot_metrics
 from .validate import BestSoFar, Validator
 
 # the flag that sets each drafter config field (the rest follow from the target)
-_DRAFTER_FLAGS = {"head": "--head", "num_layers": "--layers", "block_size": "--block-size",
-                  "intermediate_size": "--intermediate-size", "gru_hidden_size": "--gru-hidden-size",
-                  "rank": "--rank", "confidence_head": "--confidence-head", "mask_token_id": "--mask-token-id",
-                  "draft_vocab_size": "--draft-vocab", "target_layer_ids": "--layer-ids", "target_name": "--target"}
+_DRAFTER_FLAGS = {
+    "head": "--head",
+    "num_layers": "--layers",
+    "block_size": "--block-size",
+    "intermediate_size": "--intermediate-size",
+    "gru_hidden_size": "--gru-hidden-size",
+    "rank": "--rank",
+    "confidence_head": "--confidence-head",
+    "mask_token_id": "--mask-token-id",
+    "draft_vocab_size": "--draft-vocab",
+    "target_layer_ids": "--layer-ids",
+    "target_name": "--target",
+}
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 0            # 0: derive from epochs
+    max_steps: int = 0  # 0: derive from epochs
     epochs: float = 1.0
-    batch_size: int = 4           # sequences per optimiser step, over all ranks
-    anchors: int = 32             # blocks per sequence (0: every supervised position, "dense")
-    distill: float = 0.0          # weight of the soft-label KL to the target's distribution (0: the token CE only)
+    batch_size: int = 4  # sequences per optimiser step, over all ranks
+    anchors: int = 32  # blocks per sequence (0: every supervised position, "dense")
+    distill: float = 0.0  # weight of the soft-label KL to the target's distribution (0: the token CE only)
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.0
     clip: float = 1.0
-    gamma: float | None = None    # position-decay; default 7 for block 16, scaled with the block
-    lambda_start: float = 1.0     # domino curriculum: weight of CE(base) at the start ...
-    lambda_decay: float = 1.0     # ... decaying to 0 over this fraction of the run
+    gamma: float | None = None  # position-decay; default 7 for block 16, scaled with the block
+    lambda_start: float = 1.0  # domino curriculum: weight of CE(base) at the start ...
+    lambda_decay: float = 1.0  # ... decaying to 0 over this fraction of the run
     max_seq_len: int = 2048
     seed: int = 0
     save_every: int = 50
     log_every: int = 5
-    val_every: int = 50           # validation interval in steps (with a validator)
-    val_anchors: int = 64         # validation blocks per held-out sample (evenly spaced; 0: all)
+    val_every: int = 50  # validation interval in steps (with a validator)
+    val_anchors: int = 64  # validation blocks per held-out sample (evenly spaced; 0: all)
 
     # how often to checkpoint or log does not change the trained drafter; every other field does
     CHANGEABLE_ON_RESUME = ("save_every", "log_every")
 
     def __post_init__(self):
         """Every number checked once, the message naming its flag: a bad one fails before any work."""
+
         def finite(x) -> bool:
             return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -95,6 +103,8 @@ class TrainConfig:
             ("max_seq_len", isinstance(self.max_seq_len, int) and self.max_seq_len >= 2, "an integer >= 2"),
             ("save_every", isinstance(self.save_every, int) and self.save_every >= 1, "an integer >= 1"),
             ("log_every", isinstance(self.log_every, int) and self.log_every >= 1, "an integer >= 1"),
+            ("val_every", isinstance(self.val_every, int) and self.val_every >= 1, "an integer >= 1"),
+            ("val_anchors", isinstance(self.val_anchors, int) and self.val_anchors >= 0, "an integer >= 0 (0: all)"),
         ]
         for name, ok, want in rules:
             if not ok:
@@ -109,11 +119,20 @@ class TrainConfig:
         return self.lambda_start * max(0.0, 1.0 - step / span)
 
 
-
 class Trainer:
-    def __init__(self, target, drafter: Drafter, samples: list[dict], out: Path, cfg: TrainConfig,
-                 dist: Dist | None = None, feature_cache: Path | None = None, progress: bool = True,
-                 save_dtype: torch.dtype | None = None, validator: Validator | None = None):
+    def __init__(
+        self,
+        target,
+        drafter: Drafter,
+        samples: list[dict],
+        out: Path,
+        cfg: TrainConfig,
+        dist: Dist | None = None,
+        feature_cache: Path | None = None,
+        progress: bool = True,
+        save_dtype: torch.dtype | None = None,
+        validator: Validator | None = None,
+    ):
         self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out), cfg
         self.dist = dist or Dist()
         self.feature_cache = Path(feature_cache) if feature_cache else None
@@ -145,8 +164,8 @@ class Trainer:
         epoch, within = divmod(step, self.steps_per_epoch)
         order = list(range(len(self.samples)))
         random.Random(self.cfg.seed * 1000003 + epoch).shuffle(order)
-        chosen = order[within * self.cfg.batch_size:(within + 1) * self.cfg.batch_size]
-        return chosen[self.dist.rank::self.dist.world]
+        chosen = order[within * self.cfg.batch_size : (within + 1) * self.cfg.batch_size]
+        return chosen[self.dist.rank :: self.dist.world]
 
     # ----- target features -----
     @property
@@ -164,8 +183,9 @@ class Trainer:
             else:
                 todo.append(i)
         if todo:
-            feats, final = self.target.sequence_features([self.samples[i]["input_ids"] for i in todo],
-                                                         self.drafter.config.target_layer_ids)
+            feats, final = self.target.sequence_features(
+                [self.samples[i]["input_ids"] for i in todo], self.drafter.config.target_layer_ids
+            )
             for r, i in enumerate(todo):
                 item = (feats[r], final[r] if need_final else None)
                 result[i] = item
@@ -211,11 +231,12 @@ class Trainer:
             sub = d.to_draft_ids(labels.clamp_min(0))
             labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
         valid = labels != IGNORE
-        w = self.weights.unsqueeze(0) * valid.float()                          # [N, B]
+        w = self.weights.unsqueeze(0) * valid.float()  # [N, B]
 
         def ce(logits):
-            per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                  ignore_index=IGNORE, reduction="none").view_as(labels)
+            per = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
+            ).view_as(labels)
             return (per * w).sum()
 
         p_t = None
@@ -233,12 +254,17 @@ class Trainer:
             loss = (1 - self.cfg.distill) * loss + self.cfg.distill * terms["kl"]
         if d.confidence is not None:
             # its label: the greedy hit, or the sampled acceptance for heads trained on the target's distribution
-            terms["bce"] = d.confidence.loss(z, prev_emb, final, labels, p_t if self.head.needs_target_probs else None, w)
+            terms["bce"] = d.confidence.loss(
+                z, prev_emb, final, labels, p_t if self.head.needs_target_probs else None, w
+            )
             loss = loss + terms["bce"]
         with torch.no_grad():
             g, s = simulated_tau(final.detach(), labels, p_t)
-        return loss, terms, {"tau_greedy": g, "tau_sampled": s, "blocks": int(anchors.numel()),
-                             "tokens": int(ids.shape[0])}
+        return (
+            loss,
+            terms,
+            {"tau_greedy": g, "tau_sampled": s, "blocks": int(anchors.numel()), "tokens": int(ids.shape[0])},
+        )
 
     def train_step(self) -> dict:
         cfg = self.cfg
@@ -273,11 +299,17 @@ class Trainer:
         gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip))
         # metrics, reduced over ranks (before the update, so every rank sees a bad loss and stops alike)
         keys = sorted(sums)
-        vec = torch.tensor([sums[k] for k in keys] + [
-            sum(s["tau_greedy"] * s["blocks"] for s in stats),
-            sum((s["tau_sampled"] or 0.0) * s["blocks"] for s in stats),
-            sum(s["blocks"] for s in stats), sum(s["tokens"] for s in stats)], dtype=torch.float64,
-            device=self.device)
+        vec = torch.tensor(
+            [sums[k] for k in keys]
+            + [
+                sum(s["tau_greedy"] * s["blocks"] for s in stats),
+                sum((s["tau_sampled"] or 0.0) * s["blocks"] for s in stats),
+                sum(s["blocks"] for s in stats),
+                sum(s["tokens"] for s in stats),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
         vec = self.dist.all_sum(vec)
         if not (math.isfinite(gnorm) and bool(torch.isfinite(vec).all())):
             self._stop_diverged({k: float(vec[j]) for j, k in enumerate(keys)}, gnorm)
@@ -287,8 +319,13 @@ class Trainer:
         dn = float(den)
         rec = {k: float(vec[j]) / dn for j, k in enumerate(keys)}
         blocks = max(1.0, float(vec[-2]))
-        rec.update(step=self.step, lr=self.sched.get_last_lr()[0], grad_norm=gnorm,
-                   tau_greedy=float(vec[-4]) / blocks, tokens=int(vec[-1]))
+        rec.update(
+            step=self.step,
+            lr=self.sched.get_last_lr()[0],
+            grad_norm=gnorm,
+            tau_greedy=float(vec[-4]) / blocks,
+            tokens=int(vec[-1]),
+        )
         if self.needs_target_probs:
             rec["tau_sampled"] = float(vec[-3]) / blocks
         if self.head.uses_curriculum:
@@ -298,12 +335,17 @@ class Trainer:
     def _stop_diverged(self, losses: dict, gnorm: float) -> None:
         """The loss or gradient is NaN/inf: stop before the update, leaving the last checkpoint as it is."""
         saved = self._saved_step()
-        kept = (f"the last good checkpoint (step {saved}) is kept in {self.state_dir}" if saved is not None
-                else "no checkpoint had been saved yet")
+        kept = (
+            f"the last good checkpoint (step {saved}) is kept in {self.state_dir}"
+            if saved is not None
+            else "no checkpoint had been saved yet"
+        )
         terms = ", ".join(f"{k}={v:.4g}" for k, v in losses.items())
-        raise DominoError(f"training stopped at step {self.step + 1}: the loss is not finite ({terms}, gradient "
-                          f"norm {gnorm:.4g}); {kept} and no drafter was exported. A lower --lr usually helps; "
-                          "resuming needs the same settings, so start again with a new --out")
+        raise DominoError(
+            f"training stopped at step {self.step + 1}: the loss is not finite ({terms}, gradient "
+            f"norm {gnorm:.4g}); {kept} and no drafter was exported. A lower --lr usually helps; "
+            "resuming needs the same settings, so start again with a new --out"
+        )
 
     def _saved_step(self) -> int | None:
         path = self.state_dir / "trainer.pt"
@@ -324,9 +366,18 @@ class Trainer:
             shutil.rmtree(tmp)  # left by a killed save
         tmp.mkdir(parents=True)
         self.drafter.save_pretrained(tmp / "drafter")
-        torch.save({"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
-                    "train_config": asdict(self.cfg), "num_samples": len(self.samples),
-                    "torch_rng": torch.get_rng_state(), "best": self.best.state_dict()}, tmp / "trainer.pt")
+        torch.save(
+            {
+                "opt": self.opt.state_dict(),
+                "sched": self.sched.state_dict(),
+                "step": self.step,
+                "train_config": asdict(self.cfg),
+                "num_samples": len(self.samples),
+                "torch_rng": torch.get_rng_state(),
+                "best": self.best.state_dict(),
+            },
+            tmp / "trainer.pt",
+        )
         old = self.out / "train_state.old"
         if self.state_dir.exists():
             os.replace(self.state_dir, old)
@@ -357,8 +408,11 @@ class Trainer:
             if mine.get(key) != was:
                 changed.append(f"{_DRAFTER_FLAGS.get(key, key)}: {mine.get(key)!r} now, {was!r} in the checkpoint")
         if changed:
-            raise DominoError(f"cannot resume {d} with other settings than it was made with ("
-                              + "; ".join(changed) + "). Rerun with the checkpoint's values, or use a new --out")
+            raise DominoError(
+                f"cannot resume {d} with other settings than it was made with ("
+                + "; ".join(changed)
+                + "). Rerun with the checkpoint's values, or use a new --out"
+            )
         check_state(state, self.drafter.state_dict(), w_path, d / "drafter" / CONFIG_NAME)
         self.drafter.load_state_dict(state)
         self.drafter.refresh_head_rows()
@@ -394,8 +448,15 @@ class Trainer:
         bar = None
         if self.progress:
             from tqdm import tqdm
-            bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.drafter.config.head}", unit="step",
-                       dynamic_ncols=True, file=sys.stderr)
+
+            bar = tqdm(
+                total=self.total,
+                initial=self.step,
+                desc=f"train {self.drafter.config.head}",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
         t0, tokens0 = time.perf_counter(), 0
         last = {}
         while self.step < self.total:
@@ -422,7 +483,7 @@ class Trainer:
         if bar:
             bar.close()
         if self.dist.main:
-            self.export()
+            self.write_drafter()
             plot_metrics(metrics_path, self.out / "training.png")
         return last
 
@@ -430,10 +491,16 @@ class Trainer:
         """Measure the held-out acceptance now, keep the drafter if it is the best so far; the metrics record."""
         res = self.last_val = self.validator.evaluate(self.drafter, self.dist)
         self.best.offer(self.step, res, self.drafter)
-        return {"kind": "val", "step": self.step, "val_tau": res.tau, "val_accept": res.conditional,
-                "val_blocks": res.blocks, "best_step": self.best.step}
+        return {
+            "kind": "val",
+            "step": self.step,
+            "val_tau": res.tau,
+            "val_accept": res.conditional,
+            "val_blocks": res.blocks,
+            "best_step": self.best.step,
+        }
 
-    def export(self) -> None:
+    def write_drafter(self) -> None:
         """The trained drafter itself: config.json + model.safetensors in --out; with validation, the
         best drafter by validation tau and its acceptance.json (the in-memory drafter stays the last)."""
         state = self.drafter.state_dict() if self.best.state is None else self.best.state

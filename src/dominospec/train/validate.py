@@ -28,10 +28,11 @@ from ..errors import DominoError
 from .blocks import IGNORE, TeacherForced, anchor_candidates, teacher_forced_blocks
 from .distributed import Dist
 
-ANCHOR_CHUNK = 64                # blocks per drafter forward: bounds the [N, B, V] logits in memory
+ANCHOR_CHUNK = 64  # blocks per drafter forward: bounds the [N, B, V] logits in memory
 
 
 # ----- the split -----
+
 
 def conversation_of(sample: dict) -> str:
     return str(sample.get("id", sample["input_ids"])).split("/")[0]
@@ -39,7 +40,7 @@ def conversation_of(sample: dict) -> str:
 
 def held_out_score(conversation: str) -> float:
     """A stable number in [0, 1) per conversation id."""
-    return int.from_bytes(hashlib.sha256(conversation.encode()).digest()[:8], "big") / 2 ** 64
+    return int.from_bytes(hashlib.sha256(conversation.encode()).digest()[:8], "big") / 2**64
 
 
 def split_validation(samples: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
@@ -64,6 +65,7 @@ def shared_sequences(train: list[dict], val: list[dict]) -> int:
 
 
 # ----- counting acceptance -----
+
 
 def validation_anchors(loss_mask: torch.Tensor, cap: int) -> torch.Tensor:
     """All anchor candidates, or `cap` of them evenly spaced (the same ones at every evaluation)."""
@@ -100,9 +102,9 @@ def acceptance_counts(hit: torch.Tensor, has_label: torch.Tensor) -> tuple[torch
 
 @dataclass
 class ValResult:
-    judged: list[int]   # per block position k = 1..B: blocks whose drafts 1..k-1 were all accepted
-    passed: list[int]   # ... of which draft k was accepted too
-    samples: int = 0    # held-out samples measured
+    judged: list[int]  # per block position k = 1..B: blocks whose drafts 1..k-1 were all accepted
+    passed: list[int]  # ... of which draft k was accepted too
+    samples: int = 0  # held-out samples measured
 
     @property
     def conditional(self) -> list[float | None]:
@@ -121,6 +123,7 @@ class ValResult:
 
 # ----- the evaluation -----
 
+
 class Validator:
     """Greedy acceptance of a drafter on held-out samples, measured the training way."""
 
@@ -138,9 +141,10 @@ class Validator:
         counts = torch.zeros(2, drafter.config.block_size, dtype=torch.float64, device=dev)
         mine = [i for i in range(dist.rank, len(self.samples), dist.world) if self.anchors[i].numel()]
         for lo in range(0, len(mine), self.batch_size):
-            chunk = mine[lo:lo + self.batch_size]
-            feats, _ = self.target.sequence_features([self.samples[i]["input_ids"] for i in chunk],
-                                                     drafter.config.target_layer_ids)
+            chunk = mine[lo : lo + self.batch_size]
+            feats, _ = self.target.sequence_features(
+                [self.samples[i]["input_ids"] for i in chunk], drafter.config.target_layer_ids
+            )
             for i, f in zip(chunk, feats):
                 ids = torch.tensor(self.samples[i]["input_ids"], device=dev)
                 mask = torch.tensor(self.samples[i]["loss_mask"], device=dev)
@@ -174,8 +178,13 @@ class BestSoFar:
     def state_dict(self) -> dict | None:
         if self.result is None:
             return None
-        return {"step": self.step, "judged": self.result.judged, "passed": self.result.passed,
-                "samples": self.result.samples, "state": self.state}
+        return {
+            "step": self.step,
+            "judged": self.result.judged,
+            "passed": self.result.passed,
+            "samples": self.result.samples,
+            "state": self.state,
+        }
 
     def load_state_dict(self, d: dict | None) -> None:
         if d is None:
@@ -185,9 +194,15 @@ class BestSoFar:
         self.result = ValResult(d["judged"], d["passed"], d["samples"])
 
     def acceptance(self) -> dict:
-        """What acceptance.json holds (decode/cost.py ACCEPTANCE_NAME; --block-size auto reads "conditional")."""
+        """What acceptance.json holds (drafter/checkpoint.py ACCEPTANCE_NAME; --block-size auto reads "conditional")."""
         r = self.result
-        return {"conditional": [p or 0.0 for p in r.conditional], "tau": r.tau,
-                "measured_by": "train validation", "step": self.step, "blocks": r.blocks,
-                "judged": r.judged, "samples": r.samples,
-                "note": "greedy, teacher-forced at held-out anchors of the training data's answers"}
+        return {
+            "conditional": [p or 0.0 for p in r.conditional],
+            "tau": r.tau,
+            "measured_by": "train validation",
+            "step": self.step,
+            "blocks": r.blocks,
+            "judged": r.judged,
+            "samples": r.samples,
+            "note": "greedy, teacher-forced at held-out anchors of the training data's answers",
+        }
