@@ -347,13 +347,17 @@ class Target:
             raise DominoError(f"target {self.name!r} has no tokenizer; pass token ids instead of text")
         return self.tokenizer
 
-    def encode_chat(self, messages: list[dict] | str) -> list[int]:
-        """Chat-template a conversation (thinking disabled where supported), ready to generate."""
+    def encode_chat(
+        self, messages: list[dict] | str, enable_thinking: bool = False, template_kwargs: dict | None = None
+    ) -> list[int]:
+        """Chat-template a conversation, ready to generate. Thinking is off unless asked for (templates
+        without the switch ignore it); template_kwargs reach the template as extra variables."""
         tok = self._need_tokenizer()
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+            kwargs = {**(template_kwargs or {}), "enable_thinking": bool(enable_thinking)}
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
             return tok(text, add_special_tokens=False)["input_ids"]
         return tok("\n".join(m["content"] for m in messages))["input_ids"]
 
