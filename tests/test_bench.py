@@ -7,6 +7,7 @@ import pytest
 from conftest import tiny_drafter
 
 from dominospec import SamplingConfig
+from dominospec.bench import methods as bench_methods
 from dominospec.bench import report, runner
 from dominospec.bench.metrics import (
     PromptRun,
@@ -169,7 +170,7 @@ def test_bench_end_to_end_layout_and_lossless_greedy(tmp_path, llama_target):
         ("tiny-domino", tiny_drafter(llama_target, head="domino", block_size=4)),
         ("tiny-none", tiny_drafter(llama_target, head="none", block_size=3)),
     ]
-    methods, notes = runner.build_methods(("ar", "hf", "pld", "drafters", "ablation"), drafters)
+    methods, notes = bench_methods.build_methods(("ar", "hf", "pld", "drafters", "ablation"), drafters)
     names = [m.name for m in methods]
     assert names == ["ar", "hf", "pld", "domino-2L-b4", "domino-2L-b4-nohead", "none-2L-b3"]
     assert any("none-2L-b3" in n and "ablation" in n for n in notes)
@@ -195,7 +196,7 @@ def test_bench_end_to_end_layout_and_lossless_greedy(tmp_path, llama_target):
 
 
 def test_methods_are_interleaved_per_prompt(llama_target):
-    methods, _ = runner.build_methods(["ar", "hf"])
+    methods, _ = bench_methods.build_methods(["ar", "hf"])
     runs = runner.run_benchmark(llama_target, DATASETS, methods, max_new_tokens=3, warmup=False, progress=False)
     prompts = [(r.dataset, r.prompt_index) for r in runs]
     assert prompts == [("alpha", 0)] * 2 + [("alpha", 1)] * 2 + [("beta", 0)] * 2
@@ -203,7 +204,7 @@ def test_methods_are_interleaved_per_prompt(llama_target):
 
 
 def test_sampling_bench_compares_no_outputs(tmp_path, llama_target):
-    methods, _ = runner.build_methods(["ar", "drafters"], [("d", tiny_drafter(llama_target, block_size=4))])
+    methods, _ = bench_methods.build_methods(["ar", "drafters"], [("d", tiny_drafter(llama_target, block_size=4))])
     res = runner.benchmark(
         llama_target,
         {"alpha": DATASETS["alpha"]},
@@ -221,11 +222,11 @@ def test_sampling_bench_compares_no_outputs(tmp_path, llama_target):
 def test_method_selection_errors_and_notes(llama_target):
     with pytest.raises(DominoError, match="unknown"):
         runner.parse_methods("ar,speculative")
-    methods, notes = runner.build_methods(["hf", "drafters"])
+    methods, notes = bench_methods.build_methods(["hf", "drafters"])
     assert [m.name for m in methods] == ["ar", "hf"]
     assert any("no drafter" in n for n in notes) and any("reference" in n for n in notes)
     d = tiny_drafter(llama_target, block_size=4)
-    methods, notes = runner.build_methods(["drafters"], [("a", d), ("b", d)], block_size=9)
+    methods, notes = bench_methods.build_methods(["drafters"], [("a", d), ("b", d)], block_size=9)
     assert [m.name for m in methods] == ["ar", "domino-2L-b4", "b:domino-2L-b4"]
     assert methods[1].block_size == 4 and any("above" in n for n in notes)
 
@@ -234,7 +235,7 @@ def test_bench_parser_defaults():
     parser = argparse.ArgumentParser()
     bench_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "--prompts", "a.jsonl", "--prompts", "b.jsonl", "--out", "o"])
-    assert args.prompts == ["a.jsonl", "b.jsonl"] and args.methods == runner.DEFAULT_METHODS
+    assert args.prompts == ["a.jsonl", "b.jsonl"] and args.methods == bench_methods.DEFAULT_METHODS
     assert (args.profile, args.context, args.max_k, args.temperature) == (False, 256, 16, 0.0)
     assert args.func is bench_cli.cmd_bench
 

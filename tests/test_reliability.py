@@ -31,6 +31,7 @@ from dominospec import (
     generate_speculative,
 )
 from dominospec.bench import runner
+from dominospec.bench.methods import TransformersGenerate
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.data.prompts import read_prompt_file
 from dominospec.io import exclusive_lock
@@ -282,7 +283,7 @@ def test_bench_skips_prompts_that_cannot_fit_naming_file_and_line(char_model, tm
         f"{prompts}:2: prompt has 59 tokens; the target's context of 64 positions takes prompts of "
         "at most 48 tokens (room for a 16-token answer); skipped"
     ]
-    hf = runner.run_one(target, runner.Method("hf", "hf"), sets["set"][0], 100, SamplingConfig(), 0)
+    hf = TransformersGenerate().run(target, sets["set"][0], 100, SamplingConfig(), 0)
     assert hf.new_tokens == CONTEXT - 21  # transformers' own generate is capped like the others
 
 

@@ -9,6 +9,7 @@ from conftest import tiny_drafter, tiny_target
 from test_core import PROMPTS, _exact_target_distribution
 
 from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
+from dominospec.bench import methods as bench_methods
 from dominospec.bench import runner
 from dominospec.decode import CostTable, Proposal, draft_block
 from dominospec.decode.schedule import CostPolicy, StaticPolicy, VerifyPolicy, make_policy
@@ -284,7 +285,7 @@ def test_bench_runs_each_verify_policy_lookup_and_hybrid_side_by_side(llama_targ
         ("plain", tiny_drafter(llama_target, head="none", block_size=2, seed=5)),
     ]
     notes_said = []
-    methods, notes = runner.build_methods(
+    methods, notes = bench_methods.build_methods(
         ["drafters", "lookup", "hybrid", "sweep"],
         drafters,
         verify=runner.parse_verify("fixed,static,cost"),

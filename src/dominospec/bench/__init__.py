@@ -1,6 +1,7 @@
 """Measuring decoding: speed, tau, acceptance by position, losslessness.
 
 metrics.py  pure functions over per-prompt run records
-runner.py   methods (ar, hf, pld, drafters, ablations), the interleaved run, results on disk
+methods.py  the ways of decoding (ar, hf, pld, drafters, ablations, lookup, hybrids): one class each
+runner.py   the interleaved run, results on disk, prompt files, acceptance.json
 report.py   markdown tables, report.md, plots
 """

@@ -18,17 +18,14 @@ import json
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
 from ..data.prompts import read_prompt_file
-from ..decode import generate_autoregressive, generate_speculative
-from ..decode.lookup import HYBRID_MIN_MATCH, LOOKUP_BLOCK_SIZE, PromptLookup
-from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, CostTable, VerifyPolicy, make_policy
-from ..devices import describe_device, synchronize
+from ..decode.schedule import VERIFY_MODES
+from ..devices import describe_device
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..errors import DominoError
 from ..io import ensure_writable_dir, write_atomic, write_json_atomic
@@ -36,52 +33,11 @@ from ..log import log
 from ..sampling import SamplingConfig
 from ..target.context import cap_new_tokens, encode_if_fits
 from ..version import __version__
+from .methods import METHOD_GROUPS, Method, PromptLookupAlone, Speculative
 from .metrics import REFERENCE, PromptRun, summarize, tokens_per_second
 from .report import render_report, write_plots
 
-METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation", "lookup", "hybrid", "sweep")
-DEFAULT_METHODS = "ar,hf,pld,drafters,ablation,lookup,hybrid"
-PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
-
-
-@dataclass
-class Method:
-    """One way of decoding that the benchmark times."""
-
-    name: str
-    kind: str  # "ar" | "hf" | "pld" | "drafter" | "lookup" (prompt lookup alone)
-    drafter: object = None  # a Drafter, for kind "drafter"
-    use_head: bool = True  # False: the ablation (base logits only)
-    block_size: int | None = None
-    source: str = ""  # where the drafter came from
-    policy: VerifyPolicy | None = None  # how many drafts to verify each cycle (None: all)
-    lookup_min_match: int | None = None  # kind "drafter": a hybrid with prompt lookup from this match length
-
-    def describe(self) -> dict:
-        d = {"name": self.name, "kind": self.kind}
-        if self.kind == "drafter":
-            c = self.drafter.config
-            d.update(
-                source=self.source,
-                head=c.head if self.use_head else "none (ablation)",
-                layers=c.num_layers,
-                block_size=self.block_size or c.block_size,
-            )
-        if self.kind == "lookup":
-            d["block_size"] = self.block_size
-        if self.lookup_min_match is not None:
-            d["hybrid_lookup_min_match"] = self.lookup_min_match
-        if self.policy is not None:
-            d.update(self.policy.describe())
-        if self.kind == "pld":
-            d["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
-        return d
-
-    def new_lookup(self) -> PromptLookup | None:
-        if self.kind == "lookup":
-            return PromptLookup()
-        return PromptLookup(min_match=self.lookup_min_match) if self.lookup_min_match is not None else None
 
 
 def parse_choices(spec: str, flag: str, allowed: Sequence[str]) -> list[str]:
@@ -99,86 +55,6 @@ def parse_methods(spec: str) -> list[str]:
 
 def parse_verify(spec: str) -> list[str]:
     return parse_choices(spec, "--verify", VERIFY_MODES)
-
-
-def drafter_label(drafter, block_size: int | None = None) -> str:
-    """e.g. domino-2L-b8: head, backbone layers, drafts per cycle."""
-    c = drafter.config
-    return f"{c.head}-{c.num_layers}L-b{block_size or c.block_size}"
-
-
-def build_methods(
-    groups: Sequence[str],
-    drafters: Sequence[tuple[str, object]] = (),
-    block_size: int | dict[str, int] | None = None,
-    verify: Sequence[str] = ("fixed",),
-    target=None,
-    costs: CostTable | None = None,
-    threshold: float = DEFAULT_THRESHOLD,
-    lookup_min_match: int = HYBRID_MIN_MATCH,
-) -> tuple[list[Method], list[str]]:
-    """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
-
-    `ar` is always included: it is the reference everything else is compared with. Each drafter, the
-    lookup proposer and each hybrid run once per `verify` mode (fixed keeps the plain name, the others
-    get -static / -cost); a mode a method cannot run (no confidence head, no device profile for cost)
-    is skipped with a note. `sweep` adds each drafter at every smaller fixed block size.
-    """
-    notes: list[str] = []
-    methods = [Method(REFERENCE, "ar")]
-    if REFERENCE not in groups:
-        notes.append("ar added: it is the reference for speedup and losslessness")
-    if "hf" in groups:
-        methods.append(Method("hf", "hf"))
-    if "pld" in groups:
-        methods.append(Method("pld", "pld"))
-    if any(g in groups for g in ("drafters", "ablation", "hybrid", "sweep")) and not drafters:
-        notes.append(
-            "no drafter given and none is shipped for this target: drafter methods skipped (pass --drafter DIR)"
-        )
-
-    def with_policies(name: str, drafter, b: int | None, lookup: bool) -> list[tuple[str, VerifyPolicy]]:
-        out = []
-        for mode in verify:
-            try:
-                policy = make_policy(mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append)
-            except DominoError as exc:
-                notes.append(f"{name}-{mode}: skipped ({exc})")
-                continue
-            out.append((name if mode == "fixed" else f"{name}-{mode}", policy))
-        return out
-
-    if "lookup" in groups:
-        b = block_size if isinstance(block_size, int) else LOOKUP_BLOCK_SIZE
-        for name, policy in with_policies(f"lookup-b{b}", None, b, True):
-            methods.append(Method(name, "lookup", block_size=b, policy=policy))
-    seen: set[str] = set()
-    for source, d in drafters:
-        b = block_size.get(source) if isinstance(block_size, dict) else block_size
-        if b is not None and b > d.config.block_size:
-            notes.append(
-                f"{source}: --block-size {b} is above the drafter's {d.config.block_size}; using {d.config.block_size}"
-            )
-            b = d.config.block_size
-        name = drafter_label(d, b)
-        if name in seen:  # two drafters with the same shape: tell them apart by directory
-            name = f"{Path(source).name}:{name}"
-        seen.add(name)
-        if "drafters" in groups:
-            for label, policy in with_policies(name, d, b, False):
-                methods.append(Method(label, "drafter", d, True, b, source, policy))
-        if "ablation" in groups:
-            if d.config.head == "none":
-                notes.append(f"{name}: no ablation, its head is already 'none'")
-            else:
-                methods.append(Method(f"{name}-nohead", "drafter", d, False, b, source))
-        if "hybrid" in groups:
-            for label, policy in with_policies(f"hybrid-{name}", d, b, False):
-                methods.append(Method(label, "drafter", d, True, b, source, policy, lookup_min_match))
-        if "sweep" in groups:
-            for smaller in range(1, (b or d.config.block_size)):
-                methods.append(Method(f"{name.rsplit('-b', 1)[0]}-b{smaller}", "drafter", d, True, smaller, source))
-    return methods, notes
 
 
 # ----- running -----
@@ -199,53 +75,6 @@ def not_near_tie(target, prompt_ids: Sequence[int], tokens: Sequence[int], margi
     return int((rows.max(-1).values - chosen > margin).sum())
 
 
-def run_one(
-    target,
-    method: Method,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    sampling: SamplingConfig,
-    seed: int,
-    dataset: str = "",
-    prompt_index: int = 0,
-) -> PromptRun:
-    """Decode one prompt with one method and time it."""
-    if method.kind == "ar":
-        res = generate_autoregressive(target, prompt_ids, max_new_tokens, sampling, seed)
-        return PromptRun.from_generation(res, method.name, dataset, prompt_index)
-    if method.kind in ("drafter", "lookup"):
-        res = generate_speculative(
-            target,
-            method.drafter,
-            prompt_ids,
-            max_new_tokens,
-            sampling,
-            seed,
-            block_size=method.block_size,
-            use_head=method.use_head,
-            verify=method.policy,
-            lookup=method.new_lookup(),
-        )
-        return PromptRun.from_generation(res, method.name, dataset, prompt_index)
-    if method.kind in ("hf", "pld"):  # capped at the context like the adapter's own decoding
-        max_new_tokens = cap_new_tokens(max_new_tokens, len(prompt_ids), target.max_positions)
-        if not sampling.greedy:
-            torch.manual_seed(seed)
-        synchronize(target.device)
-        t0 = time.perf_counter()
-        tokens = target.hf_generate(
-            list(prompt_ids),
-            max_new_tokens,
-            sampling.temperature,
-            sampling.top_k,
-            sampling.top_p,
-            prompt_lookup=PROMPT_LOOKUP_TOKENS if method.kind == "pld" else 0,
-        )
-        synchronize(target.device)
-        return PromptRun(method.name, dataset, prompt_index, list(tokens), time.perf_counter() - t0)
-    raise ValueError(f"unknown method kind {method.kind!r}")
-
-
 def run_benchmark(
     target,
     datasets: dict[str, list[list[int]]],
@@ -264,7 +93,7 @@ def run_benchmark(
         raise DominoError("no prompts to benchmark")
     if warmup:  # uncounted: first calls pay for allocator growth, kernel selection, lazy imports
         for m in methods:
-            run_one(target, m, flat[0][2], min(max_new_tokens, WARMUP_TOKENS), sampling, seed)
+            m.run(target, flat[0][2], min(max_new_tokens, WARMUP_TOKENS), sampling, seed)
     runs: list[PromptRun] = []
     bar = tqdm(total=len(flat) * len(methods), desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
     try:
@@ -273,7 +102,7 @@ def run_benchmark(
             for m in list(methods[shift:]) + list(methods[:shift]):
                 bar.set_postfix_str(f"{ds}#{i} {m.name}", refresh=False)
                 # one seed per prompt, shared by all methods
-                runs.append(run_one(target, m, ids, max_new_tokens, sampling, seed + n, ds, i))
+                runs.append(m.run(target, ids, max_new_tokens, sampling, seed + n, ds, i))
                 bar.update()
     finally:
         bar.close()
@@ -462,7 +291,8 @@ def save_acceptance(results: dict, methods: Sequence[Method]) -> list[Path]:
     for m in methods:
         d = m.drafter
         if (
-            m.kind != "drafter"
+            not isinstance(m, Speculative)
+            or isinstance(m, PromptLookupAlone)
             or not m.use_head
             or sidecar_path(d, ACCEPTANCE_NAME) is None
             or (m.policy is not None and m.policy.name != "fixed")

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
+from ..bench.methods import DEFAULT_METHODS, DRAFTER_GROUPS, build_methods
 from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
-from ..bench.runner import (
-    DEFAULT_METHODS,
-    benchmark,
-    build_methods,
-    load_prompt_sets,
-    parse_methods,
-    parse_verify,
-    save_acceptance,
-)
+from ..bench.runner import benchmark, load_prompt_sets, parse_methods, parse_verify, save_acceptance
 from ..data.prompts import check_prompt_file
 from ..decode.cost import auto_block_size, profile_verify_cost
 from ..errors import DominoError
@@ -70,7 +63,7 @@ def cmd_bench(args) -> int:
     drafters = []
     if args.drafter:
         drafters = [(d, resolve_drafter(target, d)) for d in args.drafter]
-    elif any(g in groups for g in ("drafters", "ablation", "hybrid", "sweep")):
+    elif any(g in groups for g in DRAFTER_GROUPS):
         shipped = resolve_drafter(target, None)
         if shipped is not None:
             drafters = [("shipped default", shipped)]

@@ -1,0 +1,259 @@
+"""The ways of decoding a benchmark times: one small class each, built with keywords.
+
+Every method has a `name` (its row in the tables), `run(target, prompt_ids, ...)` -> PromptRun
+(one prompt, timed) and `describe()` -> dict (what results.json records about it). `METHODS` maps
+each kind to its class; a new way of decoding is a new class here and one line in that table.
+
+`build_methods` turns the `--methods` groups (ar, hf, pld, drafters, ablation, lookup, hybrid,
+sweep) into instances.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from ..decode import generate_autoregressive, generate_speculative
+from ..decode.lookup import HYBRID_MIN_MATCH, LOOKUP_BLOCK_SIZE, PromptLookup
+from ..decode.schedule import DEFAULT_THRESHOLD, CostTable, VerifyPolicy, make_policy
+from ..devices import synchronize
+from ..errors import DominoError
+from ..sampling import SamplingConfig
+from ..target.context import cap_new_tokens
+from .metrics import REFERENCE, PromptRun
+
+PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for the pld baseline
+
+
+@dataclass(kw_only=True)
+class Method:
+    """One way of decoding that the benchmark times."""
+
+    kind: ClassVar[str]
+    name: str
+
+    def run(
+        self,
+        target,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        seed: int,
+        dataset: str = "",
+        prompt_index: int = 0,
+    ) -> PromptRun:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"name": self.name, "kind": self.kind}
+
+
+@dataclass(kw_only=True)
+class Autoregressive(Method):
+    """Plain decoding through the same adapter: the reference for speedup and losslessness."""
+
+    kind: ClassVar[str] = "ar"
+    name: str = REFERENCE
+
+    def run(self, target, prompt_ids, max_new_tokens, sampling, seed, dataset="", prompt_index=0) -> PromptRun:
+        res = generate_autoregressive(target, prompt_ids, max_new_tokens, sampling, seed)
+        return PromptRun.from_generation(res, self.name, dataset, prompt_index)
+
+
+@dataclass(kw_only=True)
+class TransformersGenerate(Method):
+    """transformers' own `generate` on the same weights (capped at the context like the adapter's decoding)."""
+
+    kind: ClassVar[str] = "hf"
+    name: str = "hf"
+
+    prompt_lookup: ClassVar[int] = 0  # prompt_lookup_num_tokens; 0: plain generate
+
+    def run(self, target, prompt_ids, max_new_tokens, sampling, seed, dataset="", prompt_index=0) -> PromptRun:
+        max_new_tokens = cap_new_tokens(max_new_tokens, len(prompt_ids), target.max_positions)
+        if not sampling.greedy:
+            torch.manual_seed(seed)
+        synchronize(target.device)
+        t0 = time.perf_counter()
+        tokens = target.hf_generate(
+            list(prompt_ids),
+            max_new_tokens,
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            prompt_lookup=self.prompt_lookup,
+        )
+        synchronize(target.device)
+        return PromptRun(self.name, dataset, prompt_index, list(tokens), time.perf_counter() - t0)
+
+
+@dataclass(kw_only=True)
+class TransformersPromptLookup(TransformersGenerate):
+    """transformers' prompt-lookup decoding: the n-gram baseline."""
+
+    kind: ClassVar[str] = "pld"
+    name: str = "pld"
+    prompt_lookup: ClassVar[int] = PROMPT_LOOKUP_TOKENS
+
+    def describe(self) -> dict:
+        return {**super().describe(), "prompt_lookup_num_tokens": self.prompt_lookup}
+
+
+@dataclass(kw_only=True)
+class Speculative(Method):
+    """dominospec's speculative loop with a drafter (kind "drafter") or prompt lookup alone (kind "lookup")."""
+
+    kind: ClassVar[str] = "drafter"
+    drafter: object = None  # a Drafter
+    use_head: bool = True  # False: the ablation (base logits only)
+    block_size: int | None = None  # None: the drafter's own
+    source: str = ""  # where the drafter came from
+    policy: VerifyPolicy | None = None  # how many drafts to verify each cycle (None: all)
+    lookup_min_match: int | None = None  # a hybrid with prompt lookup from this match length
+
+    def new_lookup(self) -> PromptLookup | None:
+        return PromptLookup(min_match=self.lookup_min_match) if self.lookup_min_match is not None else None
+
+    def run(self, target, prompt_ids, max_new_tokens, sampling, seed, dataset="", prompt_index=0) -> PromptRun:
+        res = generate_speculative(
+            target,
+            self.drafter,
+            prompt_ids,
+            max_new_tokens,
+            sampling,
+            seed,
+            block_size=self.block_size,
+            use_head=self.use_head,
+            verify=self.policy,
+            lookup=self.new_lookup(),
+        )
+        return PromptRun.from_generation(res, self.name, dataset, prompt_index)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        if self.drafter is not None:
+            c = self.drafter.config
+            d.update(
+                source=self.source,
+                head=c.head if self.use_head else "none (ablation)",
+                layers=c.num_layers,
+                block_size=self.block_size or c.block_size,
+            )
+        if self.lookup_min_match is not None:
+            d["hybrid_lookup_min_match"] = self.lookup_min_match
+        if self.policy is not None:
+            d.update(self.policy.describe())
+        return d
+
+
+@dataclass(kw_only=True)
+class PromptLookupAlone(Speculative):
+    """dominospec's own prompt-lookup proposer, no trained drafter."""
+
+    kind: ClassVar[str] = "lookup"
+    block_size: int | None = LOOKUP_BLOCK_SIZE
+
+    def new_lookup(self) -> PromptLookup:
+        return PromptLookup()
+
+    def describe(self) -> dict:
+        return {**super().describe(), "block_size": self.block_size}
+
+
+# every kind of method, by the name results.json records
+METHODS: dict[str, type[Method]] = {
+    cls.kind: cls
+    for cls in (Autoregressive, TransformersGenerate, TransformersPromptLookup, Speculative, PromptLookupAlone)
+}
+
+# the --methods groups; ar is always run
+METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation", "lookup", "hybrid", "sweep")
+DEFAULT_METHODS = "ar,hf,pld,drafters,ablation,lookup,hybrid"
+DRAFTER_GROUPS = ("drafters", "ablation", "hybrid", "sweep")
+
+
+def drafter_label(drafter, block_size: int | None = None) -> str:
+    """e.g. domino-2L-b8: head, backbone layers, drafts per cycle."""
+    c = drafter.config
+    return f"{c.head}-{c.num_layers}L-b{block_size or c.block_size}"
+
+
+def build_methods(
+    groups: Sequence[str],
+    drafters: Sequence[tuple[str, object]] = (),
+    block_size: int | dict[str, int] | None = None,
+    verify: Sequence[str] = ("fixed",),
+    target=None,
+    costs: CostTable | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+    lookup_min_match: int = HYBRID_MIN_MATCH,
+) -> tuple[list[Method], list[str]]:
+    """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
+
+    `ar` is always included: it is the reference everything else is compared with. Each drafter, the
+    lookup proposer and each hybrid run once per `verify` mode (fixed keeps the plain name, the others
+    get -static / -cost); a mode a method cannot run (no confidence head, no device profile for cost)
+    is skipped with a note. `sweep` adds each drafter at every smaller fixed block size.
+    """
+    notes: list[str] = []
+    methods: list[Method] = [Autoregressive()]
+    if REFERENCE not in groups:
+        notes.append("ar added: it is the reference for speedup and losslessness")
+    if "hf" in groups:
+        methods.append(TransformersGenerate())
+    if "pld" in groups:
+        methods.append(TransformersPromptLookup())
+    if any(g in groups for g in DRAFTER_GROUPS) and not drafters:
+        notes.append(
+            "no drafter given and none is shipped for this target: drafter methods skipped (pass --drafter DIR)"
+        )
+
+    def with_policies(name: str, drafter, b: int | None, lookup: bool) -> list[tuple[str, VerifyPolicy]]:
+        out = []
+        for mode in verify:
+            try:
+                policy = make_policy(mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append)
+            except DominoError as exc:
+                notes.append(f"{name}-{mode}: skipped ({exc})")
+                continue
+            out.append((name if mode == "fixed" else f"{name}-{mode}", policy))
+        return out
+
+    if "lookup" in groups:
+        b = block_size if isinstance(block_size, int) else LOOKUP_BLOCK_SIZE
+        for name, policy in with_policies(f"lookup-b{b}", None, b, True):
+            methods.append(PromptLookupAlone(name=name, block_size=b, policy=policy))
+    seen: set[str] = set()
+    for source, d in drafters:
+        b = block_size.get(source) if isinstance(block_size, dict) else block_size
+        if b is not None and b > d.config.block_size:
+            notes.append(
+                f"{source}: --block-size {b} is above the drafter's {d.config.block_size}; using {d.config.block_size}"
+            )
+            b = d.config.block_size
+        name = drafter_label(d, b)
+        if name in seen:  # two drafters with the same shape: tell them apart by directory
+            name = f"{Path(source).name}:{name}"
+        seen.add(name)
+        common = dict(drafter=d, block_size=b, source=source)
+        if "drafters" in groups:
+            for label, policy in with_policies(name, d, b, False):
+                methods.append(Speculative(name=label, policy=policy, **common))
+        if "ablation" in groups:
+            if d.config.head == "none":
+                notes.append(f"{name}: no ablation, its head is already 'none'")
+            else:
+                methods.append(Speculative(name=f"{name}-nohead", use_head=False, **common))
+        if "hybrid" in groups:
+            for label, policy in with_policies(f"hybrid-{name}", d, b, False):
+                methods.append(Speculative(name=label, policy=policy, lookup_min_match=lookup_min_match, **common))
+        if "sweep" in groups:
+            stem = name.rsplit("-b", 1)[0]
+            for smaller in range(1, b or d.config.block_size):
+                methods.append(Speculative(name=f"{stem}-b{smaller}", drafter=d, block_size=smaller, source=source))
+    return methods, notes
