@@ -192,3 +192,32 @@ def test_val_anchors_zero_means_all_anchors():
     assert TrainConfig(val_anchors=0).val_anchors == 0
     mask = torch.tensor([0, 0] + [1] * 20)
     assert validation_anchors(mask, 0).numel() == validation_anchors(mask, 10_000).numel() > 3
+
+
+def test_train_flags_default_to_the_library_dataclasses():
+    """`dominospec train` restates no default: each flag's default is the field's in TrainConfig, TrainJob,
+    DrafterConfig."""
+    import dataclasses
+
+    from dominospec.cli import build_parser
+    from dominospec.drafter import DrafterConfig
+    from dominospec.train.run import TrainJob
+
+    args = vars(build_parser().parse_args(["train", "--data", "d", "--out", "o"]))
+    pairs = [(TrainConfig, f.name, f.name) for f in dataclasses.fields(TrainConfig) if f.name in args]
+    pairs += [(TrainJob, "val_fraction", "val_fraction"), (TrainJob, "draft_vocab", "draft_vocab")]
+    pairs += [(DrafterConfig, "num_layers", "layers")]
+    pairs += [(DrafterConfig, name, name) for name in ("head", "block_size", "gru_hidden_size", "rank")]
+    assert len(pairs) >= 18, pairs  # control: the flags were found at all
+    for cls, field, flag in pairs:
+        assert args[flag] == {f.name: f for f in dataclasses.fields(cls)}[field].default, (cls.__name__, field)
+
+
+def test_train_job_refuses_contradictory_starts_before_any_work(tmp_path):
+    from dominospec.train.run import TrainJob
+
+    with pytest.raises(DominoError, match="--init-from-layer starts a fresh drafter"):
+        TrainJob(data=tmp_path, out=tmp_path / "o", init="somewhere", init_from_layer=3)
+    with pytest.raises(DominoError, match="--val-fraction must be in"):
+        TrainJob(data=tmp_path, out=tmp_path / "o", val_fraction=1.0)
+    assert not (tmp_path / "o").exists()

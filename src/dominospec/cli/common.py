@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 from ..decode.lookup import HYBRID_MIN_MATCH
 from ..decode.schedule import DEFAULT_THRESHOLD
-from ..drafter import HEADS, Drafter, shipped_drafter_dir
+from ..drafter import HEADS, Drafter, DrafterConfig, shipped_drafter_dir
 from ..errors import DominoError, flag
 from ..log import log, log_once
 from ..sampling import SamplingConfig, check_sampling
 from ..target import DEFAULT_TARGET, Target, parse_layer_ids
 from ..target.hf import BACKENDS
+
+
+def default(cls, name: str):
+    """The library's default for a dataclass field, so a flag's default is stated once, in the library."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if f.default is dataclasses.MISSING:
+        raise TypeError(f"{cls.__name__}.{name} has no plain default")
+    return f.default
 
 
 def require_at_least(args, minimum: int, *names: str) -> None:
@@ -49,9 +58,21 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: off)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=default(SamplingConfig, "temperature"),
+        help="0 = greedy (default %(default)s)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=default(SamplingConfig, "top_p"), help="nucleus sampling mass (default: off)"
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=default(SamplingConfig, "top_k"),
+        help="keep the k most likely tokens (default: off)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
 
 
@@ -62,12 +83,37 @@ def sampling_from_args(args) -> SamplingConfig:
 
 
 def add_arch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--head", default="domino", choices=list(HEADS), help="sequential head (default %(default)s)")
-    p.add_argument("--layers", type=int, default=2, help="draft backbone layers (default %(default)s)")
-    p.add_argument("--block-size", type=int, default=8, help="draft slots per block (default %(default)s)")
+    p.add_argument(
+        "--head",
+        default=default(DrafterConfig, "head"),
+        choices=list(HEADS),
+        help="sequential head (default %(default)s)",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=default(DrafterConfig, "num_layers"),
+        help="draft backbone layers (default %(default)s)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=default(DrafterConfig, "block_size"),
+        help="draft slots per block (default %(default)s)",
+    )
     p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
-    p.add_argument("--gru-hidden-size", type=int, default=256, help="Domino GRU width (default %(default)s)")
-    p.add_argument("--rank", type=int, default=64, help="low-rank correction rank (default %(default)s)")
+    p.add_argument(
+        "--gru-hidden-size",
+        type=int,
+        default=default(DrafterConfig, "gru_hidden_size"),
+        help="Domino GRU width (default %(default)s)",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=default(DrafterConfig, "rank"),
+        help="low-rank correction rank (default %(default)s)",
+    )
     p.add_argument("--confidence-head", action="store_true", help="add a DSpark confidence head")
     p.add_argument(
         "--mask-token-id",

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from ..data.dataset import load_dataset_dir
-from ..drafter import Drafter
-from ..errors import DominoError
-from ..io import ensure_writable_dir
-from ..log import log
-from ..train.distributed import init_distributed
-from ..train.samples import draft_vocab_coverage, fresh_drafter, init_from_target_layer, validate_samples
-from ..train.trainer import TrainConfig, Trainer
-from ..train.validate import Validator, shared_sequences, split_validation
-from .common import add_arch_args, add_target_args, arch_from_args, check_arch_args, require_at_least, target_from_args
+from ..train.run import TrainJob, train_drafter
+from ..train.trainer import TrainConfig
+from .common import (
+    add_arch_args,
+    add_target_args,
+    arch_from_args,
+    check_arch_args,
+    default,
+    target_from_args,
+)
 
 SAVE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -37,101 +37,24 @@ def cmd_train(args) -> int:
         val_anchors=args.val_anchors,
     )
     check_arch_args(args)
-    require_at_least(args, 0, "draft_vocab")
-    require_at_least(args, 1, "val_every")
-    require_at_least(args, 0, "val_anchors")
-    if not 0 <= args.val_fraction < 1:
-        raise DominoError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
-    out = ensure_writable_dir(args.out)
-    cache = ensure_writable_dir(args.feature_cache, "--feature-cache") if args.feature_cache else None
-    target = target_from_args(args)
-    meta, samples = load_dataset_dir(args.data, target=target, allow_other_target=args.allow_other_target)
-    samples = validate_samples(samples, target, cfg.max_seq_len, str(args.data))
-    if args.val_data:
-        val_samples = load_dataset_dir(args.val_data, target=target, allow_other_target=args.allow_other_target)[1]
-        val_samples = validate_samples(val_samples, target, cfg.max_seq_len, str(args.val_data))
-        shared = shared_sequences(samples, val_samples)
-        if shared:
-            log(
-                f"warning: {shared} of the {len(val_samples)} samples in {args.val_data} also appear in {args.data}; "
-                f"validation on them overstates acceptance"
-            )
-    else:
-        samples, val_samples = split_validation(samples, args.val_fraction)
-    dev = target.device
-    dist = init_distributed(dev)
-    if dist.world > 1 and dev.type == "cuda":
-        torch.cuda.set_device(dist.rank % torch.cuda.device_count())
-    if (out / "train_state").exists() and not args.resume:
-        raise DominoError(
-            f"{out} already holds a training checkpoint; pass --resume to continue it or choose another --out"
-        )
-    if args.init and args.init_from_layer is not None:
-        raise DominoError("--init-from-layer starts a fresh drafter; it cannot be combined with --init")
-    if args.init:
-        drafter = Drafter.from_pretrained(args.init, target=target)
-    else:
-        drafter = fresh_drafter(target, samples, arch_from_args(args, target), args.draft_vocab, args.seed)
-        if args.init_from_layer is not None:
-            copied = init_from_target_layer(drafter, target, args.init_from_layer)
-            log(f"draft layers start from target layer(s) {args.init_from_layer}..: {len(copied)} weights copied")
-        if args.draft_vocab and dist.main:
-            log(
-                f"draft vocabulary: {args.draft_vocab} tokens cover {draft_vocab_coverage(drafter, samples):.1%} "
-                f"of the supervised training tokens"
-            )
-    validator = Validator(target, val_samples, cfg.val_anchors) if val_samples else None
-    trainer = Trainer(
-        target,
-        drafter,
-        samples,
-        out,
-        cfg,
-        dist=dist,
-        feature_cache=cache,
+    job = TrainJob(
+        data=args.data,
+        out=args.out,
+        config=cfg,
+        draft_vocab=args.draft_vocab,
+        init=args.init,
+        init_from_layer=args.init_from_layer,
+        val_data=args.val_data,
+        val_fraction=args.val_fraction,
+        feature_cache=args.feature_cache,
+        resume=args.resume,
         save_dtype=SAVE_DTYPES[args.save_dtype],
-        validator=validator,
+        allow_other_target=args.allow_other_target,
     )
-    if cache and dist.main:
-        tokens = sum(len(s["input_ids"]) for s in samples)
-        rows = len(drafter.config.target_layer_ids) + trainer.needs_target_probs  # + the final hidden state
-        per_token = 2 * target.hidden_size * rows
-        log(
-            f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
-            f"(fp16, {len(drafter.config.target_layer_ids)} layers)"
-        )
-    if args.resume:
-        resumed = trainer.load_checkpoint()
-        if dist.main:
-            log(
-                f"resumed {out} at step {trainer.step}/{trainer.total}"
-                if resumed
-                else f"--resume: no checkpoint found in {out / 'train_state'}, starting fresh"
-            )
-    if dist.main:
-        n = drafter.num_trainable_parameters()
-        log(
-            f"training a {drafter.config.head} drafter ({n / 1e6:.2f}M parameters) on {len(samples)} samples "
-            f"for {trainer.total} steps ({trainer.steps_per_epoch} per epoch), {dist.world} process(es) on {dev}"
-        )
-        if val_samples:
-            where = args.val_data or f"held out by conversation id hash (--val-fraction {args.val_fraction})"
-            log(
-                f"validation: {len(val_samples)} samples ({where}) every {cfg.val_every} steps; "
-                f"the best drafter by validation tau is exported"
-            )
-        else:
-            log("validation: none (no sample held out at this --val-fraction); the last step is exported")
-    last = trainer.fit()
-    if dist.main and last:
-        log(f"done: {out} (simulated greedy tau {last['tau_greedy']:.2f}); metrics in {out / 'metrics.jsonl'}")
-    if dist.main and trainer.best.result is not None:
-        log(
-            f"exported the best drafter by validation: step {trainer.best.step}, validation tau "
-            f"{trainer.best.result.tau:.2f}; acceptance by position in {out / 'acceptance.json'}"
-        )
-    if dist.world > 1:
-        torch.distributed.destroy_process_group()
+    job.check_outputs()
+    target = target_from_args(args)
+    job.arch = arch_from_args(args, target)
+    train_drafter(target, job)
     return 0
 
 
@@ -156,23 +79,33 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--draft-vocab",
         type=int,
-        default=0,
+        default=default(TrainJob, "draft_vocab"),
         help="score only the N most frequent supervised tokens of the data (0: full vocabulary); "
         "lossless, and much cheaper per draft on CPU",
     )
-    p.add_argument("--max-steps", type=int, default=0, help="optimiser steps (default: from --epochs)")
-    p.add_argument("--epochs", type=float, default=1.0, help="default %(default)s")
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per step, all processes (default %(default)s)")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=default(TrainConfig, "max_steps"),
+        help="optimiser steps (default: from --epochs)",
+    )
+    p.add_argument("--epochs", type=float, default=default(TrainConfig, "epochs"), help="default %(default)s")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=default(TrainConfig, "batch_size"),
+        help="sequences per step, all processes (default %(default)s)",
+    )
     p.add_argument(
         "--anchors",
         type=int,
-        default=32,
+        default=default(TrainConfig, "anchors"),
         help="blocks per sequence, drawn anew each step; 0: every supervised position (default %(default)s)",
     )
     p.add_argument(
         "--distill",
         type=float,
-        default=0.0,
+        default=default(TrainConfig, "distill"),
         help="weight in [0, 1] of the soft-label loss, KL(target || draft) at each block slot on the draft "
         "vocabulary, mixed with the head's own loss (default %(default)s: token CE only)",
     )
@@ -183,23 +116,40 @@ def add_parser(sub) -> None:
         metavar="J",
         help="start the draft layer(s) from the target's decoder layers J, J+1, ... (fresh drafters only)",
     )
-    p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default %(default)s)")
-    p.add_argument("--gamma", type=float, default=None, help="position-decay constant (default 7*block/16)")
-    p.add_argument("--lambda-start", type=float, default=1.0, help="domino curriculum start (default %(default)s)")
+    p.add_argument(
+        "--lr", type=float, default=default(TrainConfig, "lr"), help="peak learning rate (default %(default)s)"
+    )
+    p.add_argument(
+        "--gamma",
+        type=float,
+        default=default(TrainConfig, "gamma"),
+        help="position-decay constant (default 7*block/16)",
+    )
+    p.add_argument(
+        "--lambda-start",
+        type=float,
+        default=default(TrainConfig, "lambda_start"),
+        help="domino curriculum start (default %(default)s)",
+    )
     p.add_argument(
         "--lambda-decay",
         type=float,
-        default=1.0,
+        default=default(TrainConfig, "lambda_decay"),
         help="fraction of the run over which lambda falls to 0 (default %(default)s)",
     )
     p.add_argument(
         "--max-seq-len",
         type=int,
-        default=2048,
+        default=default(TrainConfig, "max_seq_len"),
         help="samples are cut to this many tokens (or the target's context, if shorter) (default %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-every", type=int, default=50, help="checkpoint interval in steps (default %(default)s)")
+    p.add_argument("--seed", type=int, default=default(TrainConfig, "seed"))
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=default(TrainConfig, "save_every"),
+        help="checkpoint interval in steps (default %(default)s)",
+    )
     p.add_argument(
         "--save-dtype",
         default="float32",
@@ -211,7 +161,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--val-fraction",
         type=float,
-        default=0.05,
+        default=default(TrainJob, "val_fraction"),
         help="hold out this fraction of the conversations for validation (by id hash, the same in "
         "every run; at least one; none while fraction x samples < 1) (default %(default)s)",
     )
@@ -221,13 +171,13 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--val-every",
         type=int,
-        default=50,
+        default=default(TrainConfig, "val_every"),
         help="validation interval in steps, plus the last step (default %(default)s)",
     )
     p.add_argument(
         "--val-anchors",
         type=int,
-        default=64,
+        default=default(TrainConfig, "val_anchors"),
         help="validation blocks per held-out sample, evenly spaced (0: all) (default %(default)s)",
     )
     p.set_defaults(func=cmd_train)

@@ -1,0 +1,151 @@
+"""One training run from prepared data to an exported drafter: what `dominospec train` calls.
+
+    job = TrainJob(data="data/smollm2-135m", out="runs/d1", config=TrainConfig(epochs=2), arch={"num_layers": 1})
+    job.check_outputs()           # optional: fail on an unwritable --out before loading the target
+    trainer = train_drafter(target, job)
+
+Under torchrun each process calls `train_drafter` with the same job; one process is world 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..data.dataset import load_dataset_dir
+from ..drafter import Drafter
+from ..errors import DominoError
+from ..io import ensure_writable_dir
+from ..log import log
+from .distributed import init_distributed
+from .samples import draft_vocab_coverage, fresh_drafter, init_from_target_layer, validate_samples
+from .trainer import TrainConfig, Trainer
+from .validate import Validator, shared_sequences, split_validation
+
+
+@dataclass(kw_only=True)
+class TrainJob:
+    """Where the data comes from and goes to, and how the drafter starts; the optimisation is `config`."""
+
+    data: str | Path  # a prepare-data directory
+    out: str | Path  # the drafter, metrics.jsonl, training.png, train_state/
+    config: TrainConfig = field(default_factory=TrainConfig)
+    arch: dict = field(default_factory=dict)  # DrafterConfig fields for a fresh drafter (head, num_layers, ...)
+    draft_vocab: int = 0  # score only the N most frequent supervised tokens (0: the full vocabulary)
+    init: str | Path | None = None  # start from this drafter directory instead of a fresh one
+    init_from_layer: int | None = None  # a fresh drafter's layers start from the target's layers J, J+1, ...
+    val_data: str | Path | None = None  # validate on this directory instead of a held-out part of `data`
+    val_fraction: float = 0.05  # conversations held out for validation, by id hash
+    feature_cache: str | Path | None = None  # target features cached here (fp16) for multi-epoch runs
+    resume: bool = False  # continue from the checkpoint in `out`
+    save_dtype: torch.dtype | None = None  # of the exported weights (None: float32)
+    allow_other_target: bool = False  # accept data written by another model with the same tokenizer
+
+    def __post_init__(self):
+        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise DominoError(f"--draft-vocab must be at least 0, got {self.draft_vocab}")
+        if not 0 <= self.val_fraction < 1:
+            raise DominoError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.init and self.init_from_layer is not None:
+            raise DominoError("--init-from-layer starts a fresh drafter; it cannot be combined with --init")
+
+    def check_outputs(self) -> tuple[Path, Path | None]:
+        """The output directory and feature cache, created and writable (before anything slow runs)."""
+        out = ensure_writable_dir(self.out)
+        cache = ensure_writable_dir(self.feature_cache, "--feature-cache") if self.feature_cache else None
+        if (out / "train_state").exists() and not self.resume:
+            raise DominoError(
+                f"{out} already holds a training checkpoint; pass --resume to continue it or choose another --out"
+            )
+        return out, cache
+
+
+def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
+    """Load and check the data, build or load the drafter, train, export the best; returns the Trainer."""
+    cfg = job.config
+    out, cache = job.check_outputs()
+    _, samples = load_dataset_dir(job.data, target=target, allow_other_target=job.allow_other_target)
+    samples = validate_samples(samples, target, cfg.max_seq_len, str(job.data))
+    if job.val_data:
+        val_samples = load_dataset_dir(job.val_data, target=target, allow_other_target=job.allow_other_target)[1]
+        val_samples = validate_samples(val_samples, target, cfg.max_seq_len, str(job.val_data))
+        shared = shared_sequences(samples, val_samples)
+        if shared:
+            log(
+                f"warning: {shared} of the {len(val_samples)} samples in {job.val_data} also appear in {job.data}; "
+                f"validation on them overstates acceptance"
+            )
+    else:
+        samples, val_samples = split_validation(samples, job.val_fraction)
+    dev = target.device
+    dist = init_distributed(dev)
+    if dist.world > 1 and dev.type == "cuda":
+        torch.cuda.set_device(dist.rank % torch.cuda.device_count())
+    if job.init:
+        drafter = Drafter.from_pretrained(job.init, target=target)
+    else:
+        drafter = fresh_drafter(target, samples, job.arch, job.draft_vocab, cfg.seed)
+        if job.init_from_layer is not None:
+            copied = init_from_target_layer(drafter, target, job.init_from_layer)
+            log(f"draft layers start from target layer(s) {job.init_from_layer}..: {len(copied)} weights copied")
+        if job.draft_vocab and dist.main:
+            log(
+                f"draft vocabulary: {job.draft_vocab} tokens cover {draft_vocab_coverage(drafter, samples):.1%} "
+                f"of the supervised training tokens"
+            )
+    validator = Validator(target, val_samples, cfg.val_anchors) if val_samples else None
+    trainer = Trainer(
+        target,
+        drafter,
+        samples,
+        out,
+        cfg,
+        dist=dist,
+        feature_cache=cache,
+        progress=progress,
+        save_dtype=job.save_dtype,
+        validator=validator,
+    )
+    if cache and dist.main:
+        tokens = sum(len(s["input_ids"]) for s in samples)
+        rows = len(drafter.config.target_layer_ids) + trainer.needs_target_probs  # + the final hidden state
+        per_token = 2 * target.hidden_size * rows
+        log(
+            f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
+            f"(fp16, {len(drafter.config.target_layer_ids)} layers)"
+        )
+    if job.resume:
+        resumed = trainer.load_checkpoint()
+        if dist.main:
+            log(
+                f"resumed {out} at step {trainer.step}/{trainer.total}"
+                if resumed
+                else f"--resume: no checkpoint found in {out / 'train_state'}, starting fresh"
+            )
+    if dist.main:
+        n = drafter.num_trainable_parameters()
+        log(
+            f"training a {drafter.config.head} drafter ({n / 1e6:.2f}M parameters) on {len(samples)} samples "
+            f"for {trainer.total} steps ({trainer.steps_per_epoch} per epoch), {dist.world} process(es) on {dev}"
+        )
+        if val_samples:
+            where = job.val_data or f"held out by conversation id hash (--val-fraction {job.val_fraction})"
+            log(
+                f"validation: {len(val_samples)} samples ({where}) every {cfg.val_every} steps; "
+                f"the best drafter by validation tau is exported"
+            )
+        else:
+            log("validation: none (no sample held out at this --val-fraction); the last step is exported")
+    last = trainer.fit()
+    if dist.main and last:
+        log(f"done: {out} (simulated greedy tau {last['tau_greedy']:.2f}); metrics in {out / 'metrics.jsonl'}")
+    if dist.main and trainer.best.result is not None:
+        log(
+            f"exported the best drafter by validation: step {trainer.best.step}, validation tau "
+            f"{trainer.best.result.tau:.2f}; acceptance by position in {out / 'acceptance.json'}"
+        )
+    if dist.world > 1:
+        torch.distributed.destroy_process_group()
+    return trainer
