@@ -1,9 +1,11 @@
-"""The package's shape: library code never imports the command line, and no import circle exists.
+"""The package's shape: library code never imports the command line, and no import circle exists;
+every package index names its modules and no source file cites a file that does not exist.
 
 Both are read from the sources' import statements (function-level imports included), not guessed.
 """
 
 import ast
+import re
 from pathlib import Path
 
 PKG_ROOT = Path(__file__).resolve().parents[1] / "src" / "dominospec"
@@ -177,3 +179,56 @@ def test_stage_check_catches_an_upward_and_a_sibling_import():
         "dominospec.target.hf (stage 1) imports dominospec.decode.single (stage 3)",
         "dominospec.train.trainer (stage 5) imports dominospec.bench.runner (stage 5)",
     ]
+
+
+# ----- the docstrings a newcomer reads first -----
+
+REPO_ROOT = PKG_ROOT.parents[1]
+
+
+def unlisted_modules(init: Path) -> list[str]:
+    """Modules (x.py) and subpackages (x/) of a package that its __init__ docstring does not name."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    pkg = init.parent
+    names = [p.name for p in pkg.glob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    names += [p.name + "/" for p in pkg.iterdir() if (p / "__init__.py").exists()]
+    return sorted(n for n in names if n not in doc)
+
+
+def test_every_package_index_lists_its_modules():
+    stale = {str(i.parent.relative_to(PKG_ROOT)): unlisted_modules(i) for i in sorted(PKG_ROOT.rglob("__init__.py"))}
+    assert {p: m for p, m in stale.items() if m} == {}
+
+
+def test_index_check_catches_an_unlisted_module(tmp_path):
+    (tmp_path / "__init__.py").write_text('"""A package.\n\nlisted.py  named here\n"""\n')
+    (tmp_path / "listed.py").write_text("")
+    assert unlisted_modules(tmp_path / "__init__.py") == []
+    (tmp_path / "forgotten.py").write_text("")
+    assert unlisted_modules(tmp_path / "__init__.py") == ["forgotten.py"]
+
+
+# files the code writes, named in docstrings as outputs, not cited as sources
+WRITTEN_FILES = {"report.md"}
+
+
+def cited_files_missing(path: Path) -> list[str]:
+    """Names like docs/x.md, tests/test_y.py or store.py in a source file that exist nowhere they could mean."""
+    missing = []
+    for m in re.finditer(r"(?<![\w./-])(?:[A-Za-z_][\w-]*/)*[A-Za-z_][\w-]*\.(?:md|py|sh)\b", path.read_text()):
+        name = m.group(0)
+        where = [REPO_ROOT / name, PKG_ROOT / name, path.parent / name]
+        if name not in WRITTEN_FILES and not any(w.exists() for w in where):
+            missing.append(name)
+    return missing
+
+
+def test_no_source_file_cites_a_file_that_does_not_exist():
+    missing = {str(p.relative_to(PKG_ROOT)): cited_files_missing(p) for p in sorted(PKG_ROOT.rglob("*.py"))}
+    assert {p: m for p, m in missing.items() if m} == {}
+
+
+def test_citation_check_catches_a_missing_file(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""See KERNELS.md and tests/test_layout.py."""\n')
+    assert cited_files_missing(f) == ["KERNELS.md"]

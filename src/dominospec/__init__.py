@@ -1,6 +1,8 @@
 """dominospec: Domino speculative decoding for Hugging Face causal language models.
 
-The data flow, one package per stage:
+The data flow, one package per stage (tests/test_layout.py keeps imports one-way, bottom up):
+  errors.py, version.py, log.py, io.py, devices.py, sampling.py
+           the foundation: DominoError, logging, atomic files, devices, sampling and acceptance rules
   target/  the target model (the only package that calls transformers)
   drafter/ the drafter: parallel backbone + sequential head, checkpoints
   decode/  proposals, verification, the decoding loops, verify cost

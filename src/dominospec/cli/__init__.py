@@ -1,5 +1,14 @@
 """The `dominospec` command line: one module per subcommand, each thin (parse, call the library, print).
 
+common.py     flags several subcommands share (target, sampling, drafter shape, verify) -> library objects
+generate.py   dominospec generate
+init.py       dominospec init
+prepare.py    dominospec prepare-data
+train.py      dominospec train (over train/run.py)
+calibrate.py  dominospec calibrate
+bench.py      dominospec bench
+profile.py    dominospec profile
+
 Nothing outside this package imports it.
 """
 

@@ -1,8 +1,11 @@
 """Training data: prompts in, on-policy conversations (answers written by the target) out.
 
-prompts.py  prompt files (JSONL layouts) and Hugging Face datasets -> Conversations
-builtin.py  the offline built-in prompt source (stdlib code, math templates, man pages)
-sources.py  --prompts specs (FILE, builtin:N, hf:NAME) -> Conversations
-prepare.py  the prepare-data stage: regeneration by the target, sharded, resumable
-dataset.py  reading a prepared directory back (what train reads)
+prompts.py      prompt files (JSONL layouts) and Hugging Face datasets -> Conversations
+builtin.py      the offline built-in prompt source (stdlib code, math templates, man pages)
+selfwritten.py  prompts the target writes itself (--prompts self:N)
+sources.py      --prompts specs (FILE, builtin:N, self:N, hf:NAME) -> Conversations
+prepare.py      the prepare-data stage: regeneration by the target, sharded, resumable
+store.py        data sets made of parts: manifest, compact npz samples, checksums
+extend.py       prepare-data --extend: a finished run added as a data set's next part
+dataset.py      reading a prepared directory or data set back (what train reads)
 """
