@@ -275,7 +275,8 @@ def test_verify_cost_profile_layout(tmp_path, llama_target):
 
 
 @pytest.mark.integration
-def test_cli_bench_and_profile_on_the_bundled_target(tmp_path, capsys):
+@pytest.mark.slow
+def test_cli_bench_and_profile_on_the_bundled_target(tmp_path, capsys, cli_smollm):
     from dominospec import cli
 
     prompts = tmp_path / "tiny-set.jsonl"

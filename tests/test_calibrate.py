@@ -4,8 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_drafter
-from test_reliability import char_model, run_cli, run_cli_json, shared_dir, write_prompts  # noqa: F401 (fixtures)
+from conftest import run_cli, run_cli_json, tiny_drafter, write_prompts
 
 from dominospec import DominoError
 from dominospec.decode.calibrate import ConfidenceRecords, auroc, collect_records, expected_calibration_error, fit_sts
@@ -71,7 +70,7 @@ def test_records_need_a_confidence_head_and_prompts(llama_target):
     assert ((records.accepted >= 0) & (records.accepted <= 3)).all()
 
 
-def test_cli_calibrate_then_generate_with_scheduled_verification(char_model, tmp_path, capsys):  # noqa: F811
+def test_cli_calibrate_then_generate_with_scheduled_verification(char_model, tmp_path, capsys):
     drafter = tmp_path / "drafter"
     rc, err = run_cli(
         capsys,
@@ -181,7 +180,7 @@ def test_cli_calibrate_then_generate_with_scheduled_verification(char_model, tmp
     assert all(m["lossless_mismatches"] == 0 for m in res["methods"].values())
 
 
-def test_cli_calibrate_and_scheduled_generate_refuse_bad_inputs(char_model, tmp_path, capsys):  # noqa: F811
+def test_cli_calibrate_and_scheduled_generate_refuse_bad_inputs(char_model, tmp_path, capsys):
     drafter, confident = tmp_path / "no-confidence", tmp_path / "confidence"
     for d, extra in ((drafter, ()), (confident, ("--confidence-head",))):
         assert (

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import string
 import subprocess
 import sys
 import time
@@ -11,9 +10,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import tiny_target
+from conftest import CONVERSATIONS, SMOL_LIKE, CharCodec, char_level_target, tiny_target
+from conftest import PREPARE as CFG
 
-from dominospec import DominoError, Target
+from dominospec import DominoError
 from dominospec.data.builtin import builtin_prompts
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.data.prepare import ChatCodec, PrepareConfig, SampleBuilder, prepare_data, regenerate_batch
@@ -23,44 +23,9 @@ from dominospec.data.sources import load_prompts
 REPO = Path(__file__).resolve().parents[1]
 
 
-# ----- fixtures: a character-level chat "template" the tiny targets can run without a tokenizer -----
-
-
-class CharCodec:
-    """ids: 0 BOS, 1 user, 2 assistant, 3 unused, 4.. characters, 63 end of turn (= the tiny target's EOS)."""
-
-    ALPHABET = string.ascii_lowercase + string.digits + " .,?!:;'-()+*/=%$\nABCDE"
-    ROLES = {"user": 1, "assistant": 2}
-    EOS = 63
-
-    def encode(self, messages):
-        ids = [0]
-        for m in messages:
-            ids += [self.ROLES[m["role"]]] + [4 + self.ALPHABET.index(c) for c in m["content"]] + [self.EOS]
-        return ids + [self.ROLES["assistant"]]
-
-    def decode(self, ids):  # like skip_special_tokens: ids that are not characters vanish
-        return "".join(self.ALPHABET[i - 4] for i in ids if 4 <= i < 4 + len(self.ALPHABET))
-
-    def codec(self):
-        return ChatCodec(self.encode, self.decode, tokenizer_sha256="char-codec")
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_target("llama", vocab=64)
-
-
-CONVERSATIONS = [
-    Conversation(("what is 2+2?",), "t:0"),
-    Conversation(("hello", "tell me more"), "t:1"),
-    Conversation(("sort a list",), "t:2"),
-    Conversation(("a", "b", "c"), "t:3"),
-    Conversation(("why?",), "t:4"),
-    Conversation(("name three colours",), "t:5"),
-    Conversation(("count to five", "now backwards"), "t:6"),
-]
-CFG = PrepareConfig(max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3, batch_size=2, shard_size=2)
 
 
 def check_on_policy_layout(samples, conversation, codec, eos_ids, max_new_tokens):
@@ -208,6 +173,7 @@ def test_builtin_prompts_are_deterministic_and_prefix_stable():
     assert [c.turns for c in builtin_prompts(300, seed=1)] != [c.turns for c in first]
 
 
+@pytest.mark.slow
 def test_builtin_prompts_are_identical_across_processes():
     """Protects resume: prompts must not embed anything process-specific (object addresses in
     stdlib signatures, hash order), or a restarted prepare-data refuses its own output."""
@@ -283,28 +249,6 @@ def test_regenerated_samples_follow_the_render_turn_by_turn(target):
     assert stats["supervised_tokens"] == stats["generated_tokens"]
 
 
-def char_level_target(template: str) -> Target:
-    """A tiny model behind a real transformers tokenizer and Jinja chat template (one token per character)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = string.ascii_letters + string.digits + " .,?!:;'-()<>/|\n"
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({"<|im_start|>": len(vocab), "<|im_end|>": len(vocab) + 1})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
-    )
-    tok.chat_template = template
-    tiny = tiny_target("llama", vocab=len(vocab))  # EOS = the last id = <|im_end|>
-    return Target(tiny.model, tok, name="char-level")
-
-
-SMOL_LIKE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # Qwen3-like: the generation prompt gets an empty think block that re-rendered history turns lack.
 QWEN_LIKE = SMOL_LIKE.replace(
     "assistant\n{% endif %}",
@@ -388,21 +332,28 @@ def test_resume_after_a_crash_is_exactly_once_and_identical(target, tmp_path, cr
     assert len(ids) == len(set(ids)) and {i.split("/")[0] for i in ids} <= {c.id for c in CONVERSATIONS}
 
 
+@pytest.mark.slow
 def test_resume_after_kill_9_is_exactly_once_and_identical(target, tmp_path):
     codec = CharCodec().codec()
     prepare_data(target, CONVERSATIONS, tmp_path / "ref", CFG, codec=codec, progress=False)
     script = f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-import test_data as t
+import conftest as t
 from dominospec.data.prepare import prepare_data
 
-class Slow(t.Wrapped):
+class Slow:
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
     def sample_batch(self, *a, **k):
         time.sleep(0.3)
         return self.target.sample_batch(*a, **k)
 
-prepare_data(Slow(t.tiny_target("llama", vocab=64)), t.CONVERSATIONS, sys.argv[1], t.CFG,
+prepare_data(Slow(t.tiny_target("llama", vocab=64)), t.CONVERSATIONS, sys.argv[1], t.PREPARE,
              codec=t.CharCodec().codec(), progress=False)
 """
     run = tmp_path / "run"
@@ -526,10 +477,11 @@ def test_load_refuses_empty_or_foreign_dirs(target, tmp_path):
 
 
 @pytest.mark.integration
-def test_prepare_data_cli_on_smollm2(tmp_path):
+@pytest.mark.slow
+def test_prepare_data_cli_on_smollm2(tmp_path, cli_smollm):
     from dominospec import cli
 
-    target = Target.load("smollm2-135m")  # converts the bundled GGUF once (~40 s) if needed
+    target = cli_smollm
     prompts = write_lines(
         tmp_path / "p.jsonl",
         [json.dumps({"turns": ["Say hi.", "Now say bye."]}), json.dumps({"prompt": "What is 2+3?"})],

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import tiny_target
-from test_data import CFG, CONVERSATIONS, CharCodec
+from conftest import CONVERSATIONS, CharCodec, tiny_target
+from conftest import PREPARE as CFG
 
 from dominospec import DominoError
 from dominospec.data.dataset import load_dataset_dir

@@ -10,12 +10,8 @@ from dominospec import Drafter, DrafterConfig, Target, generate_autoregressive, 
 from dominospec.cli import main
 from dominospec.drafter import shipped_drafter_dir
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return Target.load("smollm2-135m", device="cpu")
+# every test here shares the session's one SmolLM2 (conftest), the CLI commands included
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("cli_smollm")]
 
 
 def test_bundled_target_loads_as_a_real_chat_model(smollm):

@@ -2,19 +2,18 @@
 
 import pytest
 import torch
-from conftest import tiny_drafter
-from test_core import PROMPTS
-from test_schedule import (
+from conftest import (
+    PROMPTS,
     SAMPLING,
-    CostPolicy,
-    CostTable,
+    assert_matches_target_distribution,
     confident_drafter,
-    distribution_matches_target,
-    sampling_target,
+    soft_target,
+    tiny_drafter,
 )
 
 from dominospec import DominoError, SamplingConfig, generate_autoregressive, generate_speculative
-from dominospec.decode import PromptLookup
+from dominospec.decode import CostTable, PromptLookup
+from dominospec.decode.schedule import CostPolicy
 
 
 def test_lookup_copies_after_the_longest_most_recent_suffix_match():
@@ -83,17 +82,18 @@ def test_hybrid_takes_the_copy_only_from_a_long_enough_match(llama_target):
         generate_speculative(target, None, prompt, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hybrid", [False, True], ids=["lookup", "hybrid-cost"])
 def test_lookup_and_hybrid_sampling_preserve_target_distribution(hybrid):
     """A copied draft is a one-hot draft distribution: rejection sampling keeps the target's distribution."""
-    target = sampling_target()
+    target = soft_target()
     drafter = confident_drafter(target, block_size=3, seed=4, scale=3.0) if hybrid else None
     policy = CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]})) if hybrid else None
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
 
-    def run(t, seed):
+    def run(seed):
         return generate_speculative(
-            t,
+            target,
             drafter,
             prompt,
             3,
@@ -105,5 +105,5 @@ def test_lookup_and_hybrid_sampling_preserve_target_distribution(hybrid):
             verify=policy,
         )
 
-    seen = distribution_matches_target(run, prompt)
+    seen = assert_matches_target_distribution(run, target, prompt)
     assert seen["lookup_cycles"] > (50 if hybrid else 300) and seen["accepted_any"] > 50

@@ -6,8 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
-from train_worker import synthetic_samples
+from conftest import synthetic_samples, tiny_drafter, tiny_target
 
 from dominospec import DominoError, Drafter, DrafterConfig
 from dominospec.train.blocks import anchor_candidates, sample_anchors

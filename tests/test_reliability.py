@@ -9,15 +9,13 @@ import json
 import math
 import os
 import shutil
-import string
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_drafter
-from train_worker import synthetic_samples
+from conftest import CHAR_CONTEXT, run_cli, run_cli_json, synthetic_samples, tiny_drafter, write_prompts
 
 import dominospec
 from dominospec import (
@@ -38,7 +36,7 @@ from dominospec.io import exclusive_lock
 from dominospec.train.samples import validate_samples
 from dominospec.train.trainer import TrainConfig, Trainer
 
-CONTEXT = 64
+CONTEXT = CHAR_CONTEXT
 NOWHERE = "/nonexistent/target-that-must-not-load"  # an argument error must be reported before this loads
 
 
@@ -48,75 +46,6 @@ NOWHERE = "/nonexistent/target-that-must-not-load"  # an argument error must be 
 @pytest.fixture(scope="module")
 def shared_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("reliability")
-
-
-@pytest.fixture(scope="module")
-def char_model(shared_dir) -> Path:
-    """A tiny Llama behind a one-token-per-character tokenizer and a chat template, CONTEXT positions.
-
-    Its EOS row of the LM head is zero and the others are sharpened, so greedy answers never end on
-    their own: they run until a limit cuts them.
-    """
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    chars = string.ascii_letters + string.digits + " .,?!:;'-()<>/|\n"
-    vocab = {c: i for i, c in enumerate(chars)}
-    start, end = len(vocab), len(vocab) + 1
-    vocab.update({"<|im_start|>": start, "<|im_end|>": end})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
-    )
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(vocab),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=CONTEXT,
-            eos_token_id=end,
-            bos_token_id=start,
-            pad_token_id=end,
-            tie_word_embeddings=False,
-        )
-    )
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-        model.lm_head.weight[end] = 0.0
-    d = shared_dir / "char-model"
-    model.save_pretrained(str(d))
-    tok.save_pretrained(str(d))
-    return d
-
-
-def write_prompts(path: Path, texts) -> Path:
-    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts), encoding="utf-8")
-    return path
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    """(exit code, stderr) of one dominospec command, run in this process."""
-    capsys.readouterr()
-    rc = cli.main([str(a) for a in argv])
-    return rc, capsys.readouterr().err
-
-
-def run_cli_json(capsys, *argv) -> tuple[int, dict, str]:
-    """(exit code, the JSON printed, stderr) of a command run with --json."""
-    capsys.readouterr()
-    rc = cli.main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return rc, json.loads(captured.out) if rc == 0 else {}, captured.err
 
 
 @pytest.fixture(scope="module")
@@ -459,6 +388,7 @@ def _obey_mode_bits():
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
+@pytest.mark.slow
 def test_unwritable_outputs_are_refused_before_any_work(char_model, char_data, shared_dir):
     readonly = shared_dir / "readonly"
     readonly.mkdir(mode=0o555, exist_ok=True)

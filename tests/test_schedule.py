@@ -5,10 +5,16 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
-from test_core import PROMPTS, _exact_target_distribution
+from conftest import (
+    PROMPTS,
+    SAMPLING,
+    assert_matches_target_distribution,
+    confident_drafter,
+    soft_target,
+    tiny_drafter,
+)
 
-from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
+from dominospec import DominoError, SamplingConfig, generate_autoregressive, generate_speculative
 from dominospec.bench import methods as bench_methods
 from dominospec.bench import runner
 from dominospec.decode import CostTable, Proposal, draft_block
@@ -16,15 +22,6 @@ from dominospec.decode.schedule import CostPolicy, StaticPolicy, VerifyPolicy, m
 
 # verifying k drafts costs verify[k] (k+1 new tokens); steep enough that the cost policy cuts blocks
 COSTS = CostTable({0: [1.0, 1.25, 1.45, 1.7, 2.0]})
-
-
-def confident_drafter(target, block_size=4, seed=1, scale=1.5, head="domino", draft_vocab=0):
-    """A random drafter whose confidence head has weights large enough to vary from slot to slot."""
-    d = tiny_drafter(target, head=head, block_size=block_size, seed=seed, confidence=True, draft_vocab=draft_vocab)
-    with torch.no_grad():
-        torch.nn.init.normal_(d.confidence.proj.weight, std=scale / math.sqrt(d.confidence.proj.in_features))
-        d.confidence.proj.bias.fill_(0.5)
-    return d
 
 
 def logit(p):
@@ -165,57 +162,19 @@ def test_scheduled_verification_keeps_greedy_output(family, mode, llama_target, 
     assert len(verified) >= 2 and min(verified) < 4  # the policy really cut blocks, to several lengths
 
 
-def distribution_matches_target(run, prompt, steps=3, n=1000, seed_target=3) -> dict:
-    """Chi-square of n speculative 3-token samples against the target's exact distribution (enumeration).
-
-    run(target, seed) -> GenerationResult. Returns counters the caller can check (cycles, verified, ...).
-    """
-    from scipy.stats import chisquare
-
-    target = sampling_target(seed_target)
-    exact = _exact_target_distribution(target, prompt, steps, SAMPLING)
-    counts, seen = {}, {"verified": set(), "accepted_any": 0, "lookup_cycles": 0}
-    for seed in range(n):
-        res = run(target, seed)
-        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
-        seen["verified"].update(res.verified)
-        seen["accepted_any"] += sum(res.accepted) > 0
-        seen["lookup_cycles"] += res.lookup_cycles
-    keys = sorted(exact, key=exact.get, reverse=True)
-    big = [k for k in keys if exact[k] * n >= 5]
-    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
-    exp = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
-    assert len(big) >= 15
-    assert sum(c for k, c in counts.items() if exact.get(k, 0) == 0) == 0
-    stat = chisquare(obs, exp)
-    assert stat.pvalue > 1e-3, stat
-    return seen
-
-
-SAMPLING = SamplingConfig(1.0)
-_targets = {}
-
-
-def sampling_target(seed=3):
-    """A tiny, soft target (many likely outcomes, so a wrong rule shows) on the native path (fast)."""
-    if seed not in _targets:
-        model = tiny_target("qwen3", vocab=8, layers=2, seed=seed).model
-        with torch.no_grad():  # before the native path packs its own copy of the weights
-            model.get_output_embeddings().weight.mul_(0.7)
-        _targets[seed] = Target(model, name="tiny-soft", backend="native")
-    return _targets[seed]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["static", "cost"])
 def test_scheduled_verification_preserves_target_distribution(mode):
-    target = sampling_target()
+    target = soft_target()
     drafter = confident_drafter(target, block_size=3, seed=4, scale=3.0)
     policy = {"static": StaticPolicy(threshold=0.5), "cost": CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]}))}
 
-    def run(t, seed):
-        return generate_speculative(t, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[], verify=policy[mode])
+    def run(seed):
+        return generate_speculative(
+            target, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[], verify=policy[mode]
+        )
 
-    seen = distribution_matches_target(run, [1, 2, 3, 4])
+    seen = assert_matches_target_distribution(run, target, [1, 2, 3, 4])
     assert seen["accepted_any"] > 50 and len(seen["verified"]) >= 2
 
 
@@ -230,17 +189,18 @@ class PeekingPolicy(VerifyPolicy):
         return k
 
 
+@pytest.mark.slow
 def test_distribution_test_detects_a_policy_that_reads_the_draft_it_judges():
-    target = sampling_target()
+    target = soft_target()
     drafter = confident_drafter(target, block_size=3, seed=4, scale=3.0)
 
-    def run(t, seed):
+    def run(seed):
         return generate_speculative(
-            t, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[], verify=PeekingPolicy()
+            target, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[], verify=PeekingPolicy()
         )
 
     with pytest.raises(AssertionError, match="pvalue"):  # the chi-square itself, not a side check
-        distribution_matches_target(run, [1, 2, 3, 4])
+        assert_matches_target_distribution(run, target, [1, 2, 3, 4])
 
 
 # ----- building policies -----

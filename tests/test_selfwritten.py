@@ -1,7 +1,7 @@
 """Prompts the target writes itself (--prompts self:N): the open user turn, the filters, the ids."""
 
 import pytest
-from test_data import SMOL_LIKE, char_level_target
+from conftest import SMOL_LIKE, char_level_target
 
 from dominospec import DominoError
 from dominospec.data import selfwritten

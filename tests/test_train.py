@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_drafter
+from conftest import synthetic_samples, tiny_drafter
 from safetensors.torch import load_file
-from train_worker import synthetic_samples
 
 from dominospec import DominoError, generate_speculative
 from dominospec.train.blocks import IGNORE, anchor_candidates, make_blocks, simulated_tau
@@ -66,6 +65,7 @@ def test_teacher_forced_head_equals_the_left_to_right_rollout(head, qwen3_target
         assert torch.all(tf[:, 0] == 0)  # slot 0 stays uncorrected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head", ["domino", "none", "rnn"])
 def test_training_raises_acceptance(head, tmp_path, qwen3_target):
     target = qwen3_target
@@ -118,6 +118,7 @@ def _run_worker(out, steps, stop_after=None, resume=False, procs=1):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_resume_after_kill_reaches_the_same_weights(tmp_path):
     """A run killed hard after step 5 (checkpoint at 4) and resumed ends exactly like an uninterrupted one."""
     full, broken = tmp_path / "full", tmp_path / "broken"
@@ -136,6 +137,7 @@ def test_resume_after_kill_reaches_the_same_weights(tmp_path):
     assert (full / "acceptance.json").read_text() == (broken / "acceptance.json").read_text()
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     """torchrun with 2 gloo processes computes the same updates as 1 process (global loss normalisation)."""
     one, two = tmp_path / "one", tmp_path / "two"

@@ -92,6 +92,7 @@ def test_validation_anchors_are_fixed_and_evenly_spread():
     assert torch.equal(validation_anchors(mask, 0), cand) and torch.equal(validation_anchors(mask, 500), cand)
 
 
+@pytest.mark.slow
 def test_validator_equals_per_sample_teacher_forcing(qwen3_target, monkeypatch):
     """Batched, padded, chunked evaluation counts exactly what each sample gives on its own."""
     target = qwen3_target
@@ -246,6 +247,7 @@ def write_data_dir(path, samples, vocab, target="tiny"):
     (path / "samples-00000.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
 
 
+@pytest.mark.slow
 def test_cli_train_validates_exports_the_best_and_writes_acceptance(tmp_path, capsys):
     from conftest import tiny_target
 

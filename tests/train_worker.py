@@ -1,29 +1,17 @@
 """Run a small deterministic training job; used by test_train.py under 1 and 2 processes (torchrun)."""
 
 import os
-import random
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import tiny_drafter, tiny_target  # noqa: E402
+from conftest import synthetic_samples, tiny_drafter, tiny_target  # noqa: E402
 
-from dominospec import generate_autoregressive  # noqa: E402
 from dominospec.train.distributed import init_distributed  # noqa: E402
 from dominospec.train.trainer import TrainConfig, Trainer  # noqa: E402
 from dominospec.train.validate import Validator, split_validation  # noqa: E402
-
-
-def synthetic_samples(target, n=8, prompt_len=5, answer_len=24):
-    samples = []
-    for i in range(n):
-        rng = random.Random(i)
-        prompt = [rng.randrange(1, target.vocab_size - 1) for _ in range(prompt_len)]
-        answer = generate_autoregressive(target, prompt, answer_len, eos_ids=[]).tokens
-        samples.append({"id": f"s{i}", "input_ids": prompt + answer, "loss_mask": [0] * prompt_len + [1] * answer_len})
-    return samples
 
 
 def main(out: str, steps: int, stop_after: int | None, resume: bool, head: str = "domino"):
