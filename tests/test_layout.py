@@ -232,3 +232,28 @@ def test_citation_check_catches_a_missing_file(tmp_path):
     f = tmp_path / "m.py"
     f.write_text('"""See KERNELS.md and tests/test_layout.py."""\n')
     assert cited_files_missing(f) == ["KERNELS.md"]
+
+
+# ----- the tests' own shape -----
+
+TESTS_ROOT = REPO_ROOT / "tests"
+
+
+def imported_top_names(path: Path) -> set[str]:
+    """Top-level names of everything a test file imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in conftest.py; a test module importing another runs its tests' imports and
+    ties two files together. (A subprocess script that imports conftest is not a test module.)"""
+    local = {p.stem for p in TESTS_ROOT.glob("*.py")} - {"conftest"}
+    assert {"conftest", "dominospec"} <= imported_top_names(TESTS_ROOT / "test_core.py")  # control: imports are read
+    offenders = {p.name: sorted(imported_top_names(p) & local) for p in sorted(TESTS_ROOT.glob("test_*.py"))}
+    assert {name: mods for name, mods in offenders.items() if mods} == {}
