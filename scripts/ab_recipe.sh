@@ -1,9 +1,10 @@
 #!/bin/bash
-# Part-3 A/B of issue 11: the same 256 samples, the same epochs, one variant changed at a time.
+# The recipe comparison of docs/shipped-drafter.md: the same 256 samples, the same epochs, one variant changed
+# at a time; compare the validation tau in runs/ab/*/metrics.jsonl.
 # Data: the first 4 shards (256 conversations) of the prepare-data run behind data/smollm2-135m part-000
 # (dominospec prepare-data --prompts builtin:1024 --seed 11 --max-new-tokens 384 --batch-size 32 --shard-size 64),
 # copied with their stats into runs/data/ab and a meta.json marked complete. Variants share one feature cache.
-# Only the first six variants were run for the closing note (the time ran out before headoff and dense).
+# Only the first six variants were run for the published table (the time ran out before headoff and dense).
 cd "$(dirname "$0")/.." && . .venv/bin/activate
 D=runs/data/ab
 C="--data $D --layers 1 --draft-vocab 8192 --batch-size 4 --save-every 1000 --threads 1 --feature-cache runs/features --val-every 48 --save-dtype float16"

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The CPU numbers of the issue-10 closing note in one sequential run (1 thread each; run it with nothing else on the CPU). Writes runs/.
+# The CPU measurements behind the README's backend claims (native vs transformers forward, the device profile,
+# bench at T=0 and T=1, peak memory, data-generation speed) in one sequential run, 1 thread each; run it with
+# nothing else on the CPU. Writes runs/. See scripts/README.md.
 set -x
 cd "$(dirname "$0")/.."
 mkdir -p runs
