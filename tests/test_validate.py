@@ -92,7 +92,6 @@ def test_validation_anchors_are_fixed_and_evenly_spread():
     assert torch.equal(validation_anchors(mask, 0), cand) and torch.equal(validation_anchors(mask, 500), cand)
 
 
-@pytest.mark.slow
 def test_validator_equals_per_sample_teacher_forcing(qwen3_target, monkeypatch):
     """Batched, padded, chunked evaluation counts exactly what each sample gives on its own."""
     target = qwen3_target
