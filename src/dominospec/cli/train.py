@@ -53,7 +53,8 @@ def cmd_train(args) -> int:
     )
     job.check_outputs()
     target = target_from_args(args)
-    job.arch = arch_from_args(args, target)
+    if not args.init:  # a fresh drafter's shape (--layer-ids also sets the target's feature layers)
+        job.arch = arch_from_args(args, target)
     train_drafter(target, job)
     return 0
 
