@@ -82,6 +82,46 @@ def tiny_drafter(
     return d.attach(target)
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A real fast tokenizer built offline: one token per printable ASCII character, ChatML specials.
+
+    100 ids: <s> (0, BOS and pad), <unk> (1), <|im_start|> (2), newline (3), the 95 printable
+    characters (4-98), <|im_end|> (99, EOS: tiny_target's eos_token_id is vocab - 1).
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "<unk>": 1, "<|im_start|>": 2, "\n": 3}
+    vocab.update({chr(c): 4 + i for i, c in enumerate(range(32, 127))})
+    vocab["<|im_end|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: characters
+    tok.decoder = decoders.Fuse()  # join the pieces without spaces
+    tok.add_special_tokens(["<s>", "<unk>", "<|im_start|>", "<|im_end|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        pad_token="<s>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def tiny_chat_target(dtype=torch.float32, backend: str = "native", **kw) -> Target:
+    """tiny_target with tiny_tokenizer attached: text in, text out (servers, chat templates)."""
+    tok = tiny_tokenizer()
+    target = tiny_target(vocab=len(tok), dtype=dtype, backend=backend, **kw)
+    target.tokenizer = tok
+    target.name = "tiny-chat"
+    return target
+
+
 @pytest.fixture(scope="session")
 def llama_target():
     return tiny_target("llama")
