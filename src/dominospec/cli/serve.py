@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 
@@ -20,20 +21,22 @@ from .common import (
 NONE = "none"  # --drafter none: plain decoding
 
 
-def need_serve_extra():
-    """The server's packages (FastAPI, uvicorn, ...) are an extra: import them only for these commands."""
-    try:
-        from .. import serve
-    except ImportError as exc:
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai")
+
+
+def need_serve_extra() -> None:
+    """The server's packages are an extra: only the commands that use them ask for them."""
+    missing = [name for name in SERVE_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
         raise DominoError(
-            f"this command needs the serve extra ({exc.name} is missing): pip install 'dominospec[serve]'"
-        ) from None
-    return serve
+            f"this command needs the serve extra ({', '.join(missing)} missing): pip install 'dominospec[serve]'"
+        )
 
 
 def cmd_serve(args) -> int:
-    serve = need_serve_extra()
+    need_serve_extra()
     from ..engine import Engine
+    from ..serve import ServeConfig, make_server
 
     require_at_least(args, 1, "max_batch", "port", "max_len", "block_size")
     require_at_least(args, 0, "max_queue")
@@ -68,13 +71,13 @@ def cmd_serve(args) -> int:
         max_len=args.max_len,
         threshold=args.confidence_threshold,
     )
-    config = serve.ServeConfig(model_name=target.name, api_key=args.api_key, request_timeout=args.request_timeout)
+    config = ServeConfig(model_name=target.name, api_key=args.api_key, request_timeout=args.request_timeout)
     mode = "plain" if verify == "plain" else f"{'lookup' if drafter is None else 'drafter'}, verify {verify}"
     log(
         f"serve: {target.name} ({mode}) on http://{args.host}:{args.port}/v1, {args.max_batch} slots of "
         f"{engine.max_len} positions, queue {args.max_queue}"
     )
-    serve.make_server(engine, target, config, host=args.host, port=args.port, log_level=args.log_level).run()
+    make_server(engine, target, config, host=args.host, port=args.port, log_level=args.log_level).run()
     log("serve: stopped")
     return 0
 
