@@ -1,5 +1,7 @@
 """Tiny random targets built offline from configs, in float64 so argmax ties cannot flip."""
 
+import time
+
 import pytest
 import torch
 
@@ -120,6 +122,19 @@ def tiny_chat_target(dtype=torch.float32, backend: str = "native", **kw) -> Targ
     target.tokenizer = tok
     target.name = "tiny-chat"
     return target
+
+
+def paced_engine(target: Target, pause: float, **engine_kw):
+    """The batched engine with a pause before every step: a long request then holds its slot long
+    enough for a test to act while it runs (a tiny target otherwise finishes in milliseconds)."""
+    from dominospec.engine import Engine
+
+    class PacedEngine(Engine):
+        def step(self) -> bool:
+            time.sleep(pause)
+            return super().step()
+
+    return PacedEngine(target, **engine_kw)
 
 
 @pytest.fixture(scope="session")

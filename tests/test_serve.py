@@ -18,35 +18,27 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import tiny_chat_target
+from conftest import paced_engine, tiny_chat_target
 from dominospec.engine import Engine
 from prometheus_client.parser import text_string_to_metric_families
 
+import dominospec
 from dominospec.decode import generate_autoregressive
 from dominospec.sampling import SamplingConfig
 from dominospec.serve import ServeConfig, free_port, make_server
 from dominospec.serve.loadtest import LoadTestConfig, check_loopback, percentiles, run_loadtest
 from dominospec.serve.text import TextStream
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(dominospec.__file__).resolve().parents[1]  # the subprocess imports the package under test
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
-
-
-class PacedEngine(Engine):
-    """The engine with a pause before every step, so a long request stays in its slot long enough
-    for a test to act while it runs (a tiny target otherwise finishes in milliseconds)."""
-
-    pause = 0.01
-
-    def step(self) -> bool:
-        time.sleep(self.pause)
-        return super().step()
+PAUSE = 0.01  # seconds before each engine step, where a test must act while a request runs
 
 
 @contextlib.contextmanager
-def running_server(target, engine_cls=Engine, request_timeout: float = 30.0, api_key=None, **engine_kw):
-    """A server in a thread on a free loopback port; yields (base URL, engine); stopped on exit."""
-    engine = engine_cls(target, **engine_kw)
+def running_server(target, pause: float = 0.0, request_timeout: float = 30.0, api_key=None, **engine_kw):
+    """A server in a thread on a free loopback port; yields (base URL, engine); stopped on exit.
+    pause > 0: the engine sleeps that long before every step (see paced_engine)."""
+    engine = paced_engine(target, pause, **engine_kw) if pause else Engine(target, **engine_kw)
     config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
     server = make_server(engine, target, config, port=free_port())
     thread = threading.Thread(target=server.run, daemon=True)
@@ -356,10 +348,11 @@ def test_unknown_route_and_method_get_openai_errors(server):
 
 @pytest.mark.slow
 def test_full_queue_gives_429_with_retry_after(target):
-    with running_server(target, PacedEngine, max_batch=1, max_queue=1) as (base, engine):
+    with running_server(target, PAUSE, max_batch=1, max_queue=1) as (base, engine):
         long = dict(model=target.name, messages=MESSAGES, max_tokens=300, extra_body={"ignore_eos": True})
         running = client(base).chat.completions.create(stream=True, **long)
-        next(iter(running))  # the first request holds the only slot
+        next(iter(running))
+        wait_for(lambda: engine.stats()["active_rows"] == 1, what="the first request to hold the only slot")
         waiting = threading.Thread(target=lambda: client(base).chat.completions.create(**long), daemon=True)
         waiting.start()
         wait_for(lambda: engine.stats()["queue_depth"] == 1, what="a queued request")
@@ -390,7 +383,7 @@ def record_results(engine) -> list:
 
 @pytest.mark.slow
 def test_client_disconnect_frees_the_slot(target):
-    with running_server(target, PacedEngine, max_batch=1, max_queue=4) as (base, engine):
+    with running_server(target, PAUSE, max_batch=1, max_queue=4) as (base, engine):
         results = record_results(engine)
         long = {"messages": MESSAGES, "max_tokens": 450, "ignore_eos": True}
         # a stream whose client leaves after the first chunk
@@ -410,7 +403,7 @@ def test_client_disconnect_frees_the_slot(target):
 
 @pytest.mark.slow
 def test_request_time_limit_cancels_and_reports(target):
-    with running_server(target, PacedEngine, request_timeout=0.5, max_batch=1) as (base, engine):
+    with running_server(target, PAUSE, request_timeout=0.5, max_batch=1) as (base, engine):
         long = {"messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
         r = httpx.post(f"{base}/v1/chat/completions", json=long, timeout=60)
         assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
@@ -439,38 +432,74 @@ def test_api_key_is_required_everywhere_but_health(target):
         assert r.usage.completion_tokens >= 1
 
 
+DRAIN_SERVER = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import paced_engine, tiny_chat_target
+from dominospec.serve import ServeConfig, make_server
+target = tiny_chat_target()
+engine = paced_engine(target, {pause}, max_batch=1)
+make_server(engine, target, ServeConfig(model_name=target.name), port={port}).run()
+print("returned from run")
+"""
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], port: int, log_path: Path):
+    """A server subprocess; yields (process, base URL) once /health answers; killed if still alive at exit."""
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: _healthy(base) or proc.poll() is not None, timeout=120, what="the server")
+            assert proc.poll() is None, log_path.read_text()
+            yield proc, base
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.mark.slow
 def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_zero(tmp_path):
-    model_dir = tmp_path / "tiny-chat"
-    saved = tiny_chat_target(dtype=torch.float32)
-    saved.model.save_pretrained(model_dir)
-    saved.tokenizer.save_pretrained(model_dir)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "dominospec.cli", "serve", "--target", str(model_dir), "--drafter", "none"]
-    cmd += ["--port", str(port), "--max-batch", "1", "--threads", "1"]
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _healthy(base) or proc.poll() is not None, timeout=120, what="the server")
-        assert proc.poll() is None
-        long = {"messages": MESSAGES, "max_tokens": 480, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as r:
-            lines = r.iter_lines()
-            next(lines)
+    port, pause, n = free_port(), 0.02, 200  # the running request needs >= n * pause = 4 s
+    script = DRAIN_SERVER.format(tests=str(Path(__file__).parent), pause=pause, port=port)
+    with server_process([sys.executable, "-c", script], port, tmp_path / "log") as (proc, base):
+        body = {"messages": MESSAGES, "max_tokens": n, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = (json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {"))
+            next(x for x in lines if x["choices"] and x["choices"][0]["delta"].get("content"))
             proc.send_signal(signal.SIGTERM)
             wait_for(lambda: httpx.get(f"{base}/health").status_code == 503, what="draining")
             refused = httpx.post(f"{base}/v1/chat/completions", json=GOOD)
             assert refused.status_code == 503 and "retry-after" in refused.headers
-            events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-        assert events[-1]["choices"][0]["finish_reason"] == "length"  # the running request finished
-        assert proc.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+            assert refused.json()["error"]["code"] == "draining"
+            rest = list(lines)
+        assert rest[-2]["choices"][0]["finish_reason"] == "length"  # the running request ran to its end
+        assert rest[-1]["usage"]["completion_tokens"] == n
+        assert proc.wait(timeout=60) == 0
+    assert "returned from run" in (tmp_path / "log").read_text()
+
+
+@pytest.mark.slow
+def test_cli_serve_answers_and_exits_zero_on_sigterm(tmp_path):
+    model_dir = tmp_path / "tiny-chat"
+    saved = tiny_chat_target()
+    saved.model.save_pretrained(model_dir)
+    saved.tokenizer.save_pretrained(model_dir)
+    port = free_port()
+    cmd = [sys.executable, "-m", "dominospec.cli", "serve", "--target", str(model_dir), "--drafter", "none"]
+    cmd += ["--port", str(port), "--max-batch", "2", "--threads", "1"]
+    with server_process(cmd, port, tmp_path / "log") as (proc, base):
+        c = client(base)
+        [model] = [m.id for m in c.models.list()]
+        r = c.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert "serve: stopped" in (tmp_path / "log").read_text()
 
 
 def _healthy(base: str) -> bool:

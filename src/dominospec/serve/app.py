@@ -315,17 +315,20 @@ class Generation:
         Leaving early (a stop string, a disconnect, the consumer closing it) cancels the engine request.
         """
         getter = None  # one pending get across polls: a cancelled get could drop tokens (Python 3.11)
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
             while True:
                 if gone is None:
                     item = await self.events.get()
                 else:
-                    getter = getter or asyncio.ensure_future(self.events.get())
-                    done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-                    if not done:
+                    if time.monotonic() >= next_check:  # whether tokens flow or not
                         if await gone():
                             self.outcome = "disconnected"
                             return
+                        next_check = time.monotonic() + DISCONNECT_POLL_S
+                    getter = getter or asyncio.ensure_future(self.events.get())
+                    done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                    if not done:
                         continue
                     item, getter = getter.result(), None
                 if isinstance(item, RequestResult):
