@@ -323,3 +323,40 @@ def test_background_thread_streams_tokens_in_order_and_drains_on_shutdown(target
         assert finished[i] is res
     st = engine.stats()
     assert st["requests_finished"] == 5 and st["tau"] >= 1 and st["policy"] == "fixed"
+
+
+# ----- the cost table and the benchmark under concurrency -----
+
+
+def test_batched_profile_feeds_the_scheduler(target, drafter):
+    from dominospec.decode.cost import profile_batch_cost
+
+    table = profile_batch_cost(target, drafter, rows=(1, 3), context=12, max_k=3, repeats=1)
+    assert table["rows"] == [1, 3] and table["k"] == [1, 2, 3]
+    assert len(table["seconds"]) == 2 and all(len(r) == 3 and min(r) > 0 for r in table["seconds"])
+    assert len(table["draft_seconds"]) == 2
+    costs = BatchCostTable.from_profile({"batch": table})
+    assert costs.step_seconds(3, 3) == pytest.approx(table["seconds"][1][0] + table["draft_seconds"][1])
+    engine = Engine(target, drafter, policy="cost", costs=costs, max_batch=3)
+    got = run_one(engine, [1, 2, 3], 12, GREEDY, seed=0)
+    assert got.tokens == generate_autoregressive(target, [1, 2, 3], 12, eos_ids=[]).tokens
+
+
+def test_bench_concurrency_reports_every_policy_and_level(target, drafter, tmp_path):
+    from dominospec.bench.concurrency import bench_concurrency, parse_concurrency, write_concurrency
+
+    assert parse_concurrency("1, 2,4") == [1, 2, 4]
+    for bad in ("0,2", "a", ""):
+        with pytest.raises(DominoError, match="--concurrency"):
+            parse_concurrency(bad)
+    data = {"set": [[1, 2, 3], [4, 5, 6, 7], [9, 9]]}
+    res = bench_concurrency(target, drafter, data, [1, 2], ["plain", "fixed", "lookup"], max_new_tokens=6, costs=COSTS)
+    assert [(r["policy"], r["concurrency"]) for r in res["rows"]] == [
+        (p, c) for p in ("plain", "fixed", "lookup") for c in (1, 2)
+    ]
+    for r in res["rows"]:
+        assert r["requests"] == 3 and r["tokens"] <= 18 and r["tokens_per_s"] > 0 and r["errors"] == 0
+        assert (r["tau"] is None) == (r["policy"] == "plain")
+    paths = write_concurrency(res, tmp_path, plots=False)
+    assert {p.name for p in paths} == {"concurrency.json", "concurrency.md"}
+    assert "| fixed | 2 |" in (tmp_path / "concurrency.md").read_text()
