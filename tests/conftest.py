@@ -145,3 +145,43 @@ def llama_target():
 @pytest.fixture(scope="session")
 def qwen3_target():
     return tiny_target("qwen3")
+
+
+# ----- distribution checks shared by the sampling tests -----
+
+
+def exact_target_distribution(target, prompt, steps, sampling) -> dict:
+    """P(x_1..x_steps) by enumeration over the whole (tiny) vocabulary, from the HF forward."""
+    import itertools
+
+    from dominospec.sampling import warp_probs
+
+    v = target.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(v), repeat=steps)))  # [V^steps, steps]
+    ids = torch.cat([torch.tensor(prompt).expand(seqs.shape[0], -1), seqs], dim=1)
+    with torch.no_grad():
+        logits = target.model(input_ids=ids).logits[:, len(prompt) - 1 : -1]  # [N, steps, V]
+    probs = warp_probs(logits, sampling)
+    p = probs.gather(-1, seqs.unsqueeze(-1)).squeeze(-1).prod(-1)
+    return {tuple(s): float(q) for s, q in zip(seqs.tolist(), p)}
+
+
+def assert_matches_distribution(samples: list, exact: dict, min_bins: int = 15) -> None:
+    """Chi-square goodness of fit of sampled continuations against their exact probabilities.
+
+    Bins with at least 5 expected samples, the rest pooled; an impossible continuation fails at once.
+    """
+    from scipy.stats import chisquare
+
+    n = len(samples)
+    counts = {}
+    for s in samples:
+        counts[tuple(s)] = counts.get(tuple(s), 0) + 1
+    keys = sorted(exact, key=exact.get, reverse=True)
+    big = [k for k in keys if exact[k] * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    exp = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
+    assert len(big) >= min_bins
+    assert sum(c for k, c in counts.items() if exact.get(k, 0) == 0) == 0
+    stat = chisquare(obs, exp)
+    assert stat.pvalue > 1e-3, stat
