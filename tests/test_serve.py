@@ -19,11 +19,11 @@ import openai
 import pytest
 import torch
 from conftest import paced_engine, tiny_chat_target
-from dominospec.engine import Engine
 from prometheus_client.parser import text_string_to_metric_families
 
 import dominospec
 from dominospec.decode import generate_autoregressive
+from dominospec.engine import Engine
 from dominospec.sampling import SamplingConfig
 from dominospec.serve import ServeConfig, free_port, make_server
 from dominospec.serve.loadtest import LoadTestConfig, check_loopback, percentiles, run_loadtest
@@ -553,3 +553,23 @@ def test_cli_serve_and_loadtest_check_flags_before_loading(capsys):
     assert "--max-batch must be at least 1" in capsys.readouterr().err
     assert main(["loadtest", "--url", "http://example.com:8000"]) == 2
     assert "this machine" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_bundled_target_with_its_shipped_drafter_serves_plain_greedy_text():
+    """The real chat template and tokenizer (byte-level BPE), speculative decoding in the engine, fp32."""
+    from dominospec import Drafter, Target
+    from dominospec.drafter import shipped_drafter_dir
+
+    smollm = Target.load("smollm2-135m", device="cpu", dtype="float32")
+    drafter = Drafter.from_pretrained(shipped_drafter_dir("smollm2-135m"), target=smollm)
+    question = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    expected = smollm.decode(offline(smollm, smollm.encode_chat(question), 40))
+    with running_server(smollm, drafter=drafter, policy="fixed", max_batch=2) as (base, engine):
+        c = client(base)
+        kw = dict(model=smollm.name, messages=question, max_tokens=40, temperature=0)
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw))
+        assert streamed == expected
+        assert c.chat.completions.create(**kw).choices[0].message.content == expected
+        assert engine.stats()["tau"] > 1  # drafts were accepted: the speculative path ran
