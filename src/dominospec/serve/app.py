@@ -276,7 +276,13 @@ class Generation:
             ) from None
         except DominoError as exc:  # the engine's own checks (lengths) or a shutdown under way
             if gate.draining:
-                raise APIError(503, str(exc), type="service_unavailable", code="draining") from None
+                raise APIError(
+                    503,
+                    str(exc),
+                    type="service_unavailable",
+                    code="draining",
+                    headers={"Retry-After": str(config.retry_after_s)},
+                ) from None
             raise APIError(400, str(exc)) from None
         gate.active += 1
         gen._timer = loop.call_later(config.request_timeout, gen._expire)
