@@ -227,6 +227,7 @@ def test_batch_cost_table_interpolates_over_total_tokens():
     assert table.step_seconds(4, 4) == pytest.approx(2.0) and table.step_seconds(4, 6) == pytest.approx(3.0)
     assert table.step_seconds(4, 10) == pytest.approx(5.0)  # past the table: its last slope
     assert table.step_seconds(3, 6) == pytest.approx(3.0)  # 3 rows read the nearest profiled count (4)
+    assert BatchCostTable({1: [1.0, 0.9]}).step_seconds(1, 50) == pytest.approx(0.9)  # noise never extrapolates down
 
 
 # ----- slots, queue, cancellation, errors, the background thread -----
