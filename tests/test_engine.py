@@ -227,9 +227,25 @@ def test_batch_cost_table_interpolates_over_total_tokens():
     assert table.step_seconds(4, 4) == pytest.approx(2.0) and table.step_seconds(4, 6) == pytest.approx(3.0)
     assert table.step_seconds(4, 10) == pytest.approx(5.0)  # past the table: its last slope
     assert table.step_seconds(3, 6) == pytest.approx(3.0)  # 3 rows read the nearest profiled count (4)
+    assert BatchCostTable({1: [1.0, 0.9]}).step_seconds(1, 50) == pytest.approx(0.9)  # noise never extrapolates down
 
 
 # ----- slots, queue, cancellation, errors, the background thread -----
+
+
+def test_row_forward_touches_only_its_rows_and_refuses_to_outgrow_the_cache(target):
+    cache = target.new_row_cache(3, 16)
+    assert [cache.claim(), cache.claim()] == [0, 1]
+    target.forward_rows(torch.tensor([[1, 2, 3, 4]]), cache, start=1)
+    assert not cache.k[:, 0].any() and not cache.k[:, 2].any() and cache.k[:, 1].any()
+    target.forward_rows(torch.tensor([[5, 6, 0], [7, 0, 0]]), cache, num_new=[2, 1], start=0)
+    assert cache.lengths == [2, 5, 0] and cache.k[:, 0].any() and not cache.k[:, 2].any()
+    target.set_row_length(cache, 1, 3)  # per-row rollback
+    cache.release(0)
+    assert cache.claim() == 0 and cache.lengths[0] == 0 and cache.claimed == [True, True, False]
+    with pytest.raises(DominoError, match="would pass the cache's 16 positions"):
+        target.forward_rows(torch.zeros(1, 14, dtype=torch.long), cache, start=1)
+    assert cache.lengths[1] == 3
 
 
 def test_a_full_engine_queues_new_requests_and_refuses_past_max_queue(target):

@@ -131,6 +131,8 @@ def bench_concurrency(
     if not prompts:
         raise DominoError("bench --concurrency: no prompts")
     max_len = max(len(p) for p in prompts) + max_new_tokens + 2 * (block_size or 16) + 2
+    for policy in policies:  # every policy's requirements (drafter, cost table) before anything runs
+        make_engine(target, drafter, policy, 1, block_size, costs, max_len)
     rows = []
     for policy in policies:
         for c in levels:

@@ -302,7 +302,8 @@ class BatchCostTable:
             if tokens <= b1:
                 return draft + s0 + (s1 - s0) * (tokens - b0) / (b1 - b0)
         (b0, s0), (b1, s1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] * 2, pts[0][1] * 2))
-        return draft + s1 + (s1 - s0) * (tokens - b1) / (b1 - b0)  # past the table: extend its last slope
+        slope = max(0.0, (s1 - s0) / (b1 - b0))  # past the table: its last slope, never falling (noise)
+        return draft + s1 + slope * (tokens - b1)
 
 
 class BatchPolicy:

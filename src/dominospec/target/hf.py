@@ -238,6 +238,11 @@ class Target:
         at each row's last new token, "none" -> None. Other rows of the cache are neither read nor moved.
         """
         view = cache.rows(start, start + ids.shape[0])
+        if max(view.lengths) + ids.shape[1] > cache.max_len:  # a view cannot grow: writes would be lost
+            raise DominoError(
+                f"rows {start}..{start + ids.shape[0] - 1} would pass the cache's {cache.max_len} positions "
+                f"(longest row {max(view.lengths)} + {ids.shape[1]} new)"
+            )
         out, feats = self.native(
             ids,
             view,
