@@ -199,13 +199,13 @@ def plot_concurrency(results: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for policy in results["policies"]:
+    for i, policy in enumerate(results["policies"]):
         rows = [r for r in results["rows"] if r["policy"] == policy]
-        cs = [r["concurrency"] for r in rows]
-        axes[0].plot(cs, [r["tokens_per_s"] for r in rows], marker="o", label=policy)
-        axes[1].plot(cs, [1e3 * (r["tpot_median_s"] or 0) for r in rows], marker="o", label=policy)
+        cs, style = [r["concurrency"] for r in rows], dict(marker="o", label=policy, color=f"C{i}")
+        axes[0].plot(cs, [r["tokens_per_s"] for r in rows], **style)
+        axes[1].plot(cs, [1e3 * (r["tpot_median_s"] or 0) for r in rows], **style)
         if any(r["verify_per_request"] is not None for r in rows):
-            axes[2].plot(cs, [r["verify_per_request"] for r in rows], marker="o", label=policy)
+            axes[2].plot(cs, [r["verify_per_request"] for r in rows], **style)
     titles = ("aggregate tokens/s", "TPOT median (ms)", "verify length per request")
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)

@@ -27,9 +27,11 @@ from .step import SeqState
 
 
 class DrafterProposer:
-    def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True):
-        """rows: a per-row draft cache (drafter.new_row_cache) for many sequences; None at batch 1."""
+    def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True, draft_one=None):
+        """rows: a per-row draft cache (drafter.new_row_cache) for many sequences; None at batch 1.
+        draft_one: how one sequence's block is drafted (default propose.draft_block)."""
         self.drafter, self.block_size, self.rows, self.use_head = drafter, block_size, rows, use_head
+        self.draft_one = draft_one or draft_block
         # without a confidence head, the engine's policies read the draft's own top probability
         self.top = rows is not None and getattr(drafter, "confidence", None) is None
 
@@ -62,7 +64,7 @@ class DrafterProposer:
             i = live[0]
             s = seqs[i]
             anchor = torch.tensor([s.anchor], device=dev)
-            out[i] = draft_block(
+            out[i] = self.draft_one(
                 self.drafter, s.draft_cache, anchor, rooms[i], s.sampling, s.gen, self.use_head, self.top
             )
             return out
@@ -170,6 +172,7 @@ def make_proposer(
     use_head: bool = True,
     vocab_size: int | None = None,
     device=None,
+    draft_one=None,
 ):
     """The proposer for a drafter, lookup, or both; rows = slots of a per-row draft cache (None: batch 1)."""
     if drafter is None and not lookup:
@@ -178,7 +181,7 @@ def make_proposer(
     dp = None
     if drafter is not None:
         cache = drafter.new_row_cache(rows, max_len) if rows is not None else None
-        dp = DrafterProposer(drafter, b, cache, use_head)
+        dp = DrafterProposer(drafter, b, cache, use_head, draft_one)
         vocab_size = vocab_size or drafter.config.vocab_size
     if not lookup:
         return dp

@@ -23,7 +23,7 @@ from ..errors import DominoError
 from ..sampling import SamplingConfig
 from ..target.context import cap_new_tokens
 from .lookup import PromptLookup
-from .propose import Proposal
+from .propose import Proposal, draft_block
 from .proposers import make_proposer
 from .result import GenerationResult
 from .schedule import VerifyPolicy
@@ -116,7 +116,13 @@ def generate_speculative(
     """
     dev = target.device
     proposer = make_proposer(
-        drafter, lookup is not None, block_size, use_head=use_head, vocab_size=target.vocab_size, device=dev
+        drafter,
+        lookup is not None,
+        block_size,
+        use_head=use_head,
+        vocab_size=target.vocab_size,
+        device=dev,
+        draft_one=lambda *args: draft_block(*args),  # this module's name, looked up per call (tests wrap it)
     )
     b = proposer.block_size
     verify = verify or VerifyPolicy()
