@@ -279,6 +279,15 @@ def format_device_profile(table: dict) -> str:
             "|---:|---:|",
         ]
         lines += [f"| {b} | {1e3 * s:.1f} |" for b, s in zip(d["b"], d["seconds"])]
+    if "batch" in table:  # the engine's table: R rows of k new tokens each, B = R * k
+        bt = table["batch"]
+        lines += ["", f"batched forward (engine), context {bt['context']}, ms by rows R and new tokens per row k:", ""]
+        lines.append("| k | " + " | ".join(f"R={r}" for r in bt["rows"]) + " |")
+        lines.append("|---:|" + "---:|" * len(bt["rows"]))
+        for i, k in enumerate(bt["k"]):
+            lines.append(f"| {k} | " + " | ".join(f"{1e3 * row[i]:.1f}" for row in bt["seconds"]) + " |")
+        if bt.get("draft_seconds"):
+            lines.append("| draft pass | " + " | ".join(f"{1e3 * s:.1f}" for s in bt["draft_seconds"]) + " |")
     return "\n".join(lines)
 
 

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from ..bench.concurrency import (
+    ENGINE_POLICIES,
+    bench_concurrency,
+    format_concurrency_table,
+    parse_concurrency,
+    write_concurrency,
+)
 from ..bench.methods import DEFAULT_METHODS, DRAFTER_GROUPS, build_methods
 from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
-from ..bench.runner import benchmark, load_prompt_sets, parse_methods, parse_verify, save_acceptance
+from ..bench.runner import (
+    benchmark,
+    load_prompt_sets,
+    parse_choices,
+    parse_methods,
+    parse_verify,
+    save_acceptance,
+)
 from ..data.prompts import check_prompt_file
 from ..decode.cost import auto_block_size, profile_verify_cost
 from ..errors import DominoError
@@ -38,6 +52,10 @@ def cmd_bench(args) -> int:
         "repeats",
         *(["block_size"] if args.block_size != "auto" else []),
     )
+    levels = parse_concurrency(args.concurrency) if args.concurrency else None
+    policies = parse_choices(args.policies, "--policies", ENGINE_POLICIES) if levels else None
+    if levels and not args.prompts:
+        raise DominoError("--concurrency needs --prompts FILE.jsonl")
     groups = parse_methods(args.methods)
     verify = parse_verify(args.verify)
     check_verify_args(args)
@@ -59,6 +77,8 @@ def cmd_bench(args) -> int:
         log(f"wrote {out / 'verify_cost.json'}")
     if not args.prompts:
         return 0
+    if levels:
+        return _bench_concurrency(args, target, levels, policies, sampling, out)
 
     drafters = []
     if args.drafter:
@@ -128,6 +148,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _bench_concurrency(args, target, levels, policies, sampling, out) -> int:
+    """The engine under closed-loop load: every policy at every concurrency level."""
+    needs_drafter = any(p in ("fixed", "static", "cost", "hybrid") for p in policies)
+    drafter = resolve_drafter(target, args.drafter[0] if args.drafter else None) if needs_drafter else None
+    block_size = args.block_size if isinstance(args.block_size, int) else None
+    datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
+    log(f"engine under load: policies {', '.join(policies)} at concurrency {', '.join(map(str, levels))}")
+    results = bench_concurrency(
+        target, drafter, datasets, levels, policies, args.max_new_tokens, sampling, args.seed, block_size, progress=log
+    )
+    written = write_concurrency(results, out, plots=not args.no_plots)
+    print(format_concurrency_table(results))
+    log("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
@@ -181,6 +217,20 @@ def add_parser(sub) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up run of each method")
     p.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    c = p.add_argument_group("the batched engine under load")
+    c.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="LIST",
+        help="comma list of concurrency levels, e.g. 1,2,4,8,16: closed-loop clients over the prompts "
+        "through the batched engine (instead of the batch-1 methods); writes DIR/concurrency.json/.md/.png",
+    )
+    c.add_argument(
+        "--policies",
+        default="plain,fixed,cost",
+        help=f"engine policies for --concurrency: comma list of {', '.join(ENGINE_POLICIES)} (lookup: prompt "
+        "lookup alone; hybrid: drafter + lookup; cost needs `dominospec profile`) (default %(default)s)",
+    )
     g = p.add_argument_group("verify cost profile")
     g.add_argument(
         "--profile",

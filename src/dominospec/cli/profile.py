@@ -18,6 +18,12 @@ def cmd_profile(args) -> int:
     for name, v in (("--max-k", args.max_k), ("--repeats", args.repeats), ("--contexts", min(contexts or [0]))):
         if v < 1:
             raise DominoError(f"{name} must be >= 1, got {v}")
+    try:
+        batch_rows = [int(r) for r in args.batch_rows.split(",") if r.strip()]
+    except ValueError:
+        raise DominoError(f"--batch-rows {args.batch_rows!r}: expected comma-separated integers, e.g. 1,4") from None
+    if any(r < 1 for r in batch_rows):
+        raise DominoError(f"--batch-rows {args.batch_rows!r}: row counts must be >= 1")
     out = ensure_writable_dir(args.out) if args.out else None
     target = target_from_args(args)
     drafter = resolve_drafter(target, args.drafter, args.no_draft)
@@ -26,7 +32,7 @@ def cmd_profile(args) -> int:
         f"1..{args.max_k} tokens at contexts {contexts}"
         + (", and the drafter's cost per block size" if drafter else "")
     )
-    table = profile_device(target, drafter, contexts, args.max_k, args.repeats, args.seed)
+    table = profile_device(target, drafter, contexts, args.max_k, args.repeats, args.seed, batch_rows=batch_rows)
     path = save_profile(table)
     print(format_device_profile(table))
     log(f"stored {path} (read by --block-size auto)")
@@ -55,6 +61,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-k", type=int, default=17, help="largest number of new tokens (default %(default)s)")
     p.add_argument(
         "--repeats", type=int, default=7, help="timed repeats per size; medians are kept (default %(default)s)"
+    )
+    p.add_argument(
+        "--batch-rows",
+        default="1,2,4,8",
+        help="row counts for the engine's batched cost table (R rows of k new tokens; native backend); "
+        "empty to skip (default %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write profile.json and profile.png here")

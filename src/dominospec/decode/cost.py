@@ -19,6 +19,7 @@ import torch
 
 from ..devices import cpu_model, describe_device, synchronize
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
+from ..drafter.model import DraftCache
 from ..errors import DominoError
 from ..io import cache_dir, write_json_atomic
 from ..sampling import SamplingConfig
@@ -129,6 +130,66 @@ def profile_draft_cost(target, drafter, context: int = 256, repeats: int = 7, se
     return {"context": context, "b": bs, "seconds": [statistics.median(times[b]) for b in bs]}
 
 
+@torch.inference_mode()
+def profile_batch_cost(
+    target,
+    drafter=None,
+    rows: Sequence[int] = (1, 2, 4, 8),
+    context: int = 256,
+    max_k: int = 8,
+    repeats: int = 5,
+    seed=0,
+) -> dict:
+    """SPS(B) for the engine: median seconds of one ragged forward with R rows of k new tokens each
+    (B = R * k), R in `rows`, k = 1..max_k, every row after its own `context`-token prefix; and, with a
+    drafter, one draft pass for R rows. Repeats are interleaved over (R, k)."""
+    from .propose import draft_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    dev, V = target.device, target.vocab_size
+    layers = drafter.config.target_layer_ids if drafter is not None else None
+    out = {"context": context, "rows": list(rows), "k": list(range(1, max_k + 1)), "seconds": [], "draft_seconds": []}
+    times = {(r, k): [] for r in rows for k in out["k"]}
+    caches = {}
+    for r in rows:
+        cache = target.new_row_cache(r, context + max_k + 1)
+        dcache = drafter.new_row_cache(r, context + 1) if drafter is not None else None
+        for row in range(r):
+            ids = torch.randint(0, V, (1, context), generator=gen).to(dev)
+            res = target.forward_rows(
+                ids, cache, start=row, logits="none", layer_ids=layers, with_features=dcache is not None
+            )
+            if dcache is not None:
+                drafter.extend_cache(DraftCache(dcache, row), res.features)
+        caches[r] = (cache, dcache)
+    blocks = {(r, k): torch.randint(0, V, (r, k), generator=gen).to(dev) for r in rows for k in out["k"]}
+    for rep in range(repeats + 1):  # the first round is a warm-up
+        for r in rows:
+            cache = caches[r][0]
+            for k in out["k"]:
+                synchronize(dev)
+                t0 = time.perf_counter()
+                target.forward_rows(blocks[r, k], cache, layer_ids=layers, with_features=drafter is not None)
+                synchronize(dev)
+                if rep:
+                    times[r, k].append(time.perf_counter() - t0)
+                cache.lengths[:] = [context] * r
+    out["seconds"] = [[statistics.median(times[r, k]) for k in out["k"]] for r in rows]
+    if drafter is not None:
+        greedy, b = SamplingConfig(), drafter.config.block_size
+        for r in rows:
+            dcache, anchors, draft_times = caches[r][1], torch.zeros(r, dtype=torch.long, device=dev), []
+            for rep in range(repeats + 1):
+                synchronize(dev)
+                t0 = time.perf_counter()
+                draft_rows(drafter, dcache, list(range(r)), anchors, [b] * r, [greedy] * r, [None] * r)
+                synchronize(dev)
+                if rep:
+                    draft_times.append(time.perf_counter() - t0)
+            out["draft_seconds"].append(statistics.median(draft_times))
+    return out
+
+
 def profile_device(
     target,
     drafter=None,
@@ -137,9 +198,11 @@ def profile_device(
     repeats: int = 7,
     seed: int = 0,
     progress: bool = True,
+    batch_rows: Sequence[int] = (),
 ) -> dict:
     """The device profile: verify cost of k = 1..max_k new tokens at each context (k = 1 is one
-    decode step) and, with a drafter, its draft cost per block size."""
+    decode step) and, with a drafter, its draft cost per block size. With batch_rows (native backend),
+    also the engine's table: forwards over R rows of k new tokens each ("batch")."""
     limit = target.max_positions
     usable = [c for c in contexts if not limit or c + max_k <= limit]
     if not usable:
@@ -155,6 +218,8 @@ def profile_device(
     if drafter is not None:
         table["draft"] = profile_draft_cost(target, drafter, min(usable), repeats, seed)
         table["draft"]["drafter"] = profile_drafter_label(drafter)
+    if batch_rows and getattr(target, "native", None) is not None:
+        table["batch"] = profile_batch_cost(target, drafter, batch_rows, min(usable), min(max_k, 9), repeats, seed)
     return table
 
 

@@ -20,52 +20,91 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # [b, V] when sampling: zero outside a draft vocabulary
     confidence_logits: torch.Tensor | None = None  # [b] logit of P(draft k survives | drafts < k did)
     source: str = "drafter"  # "drafter" | "lookup"
+    # [b] the largest draft probability at each slot: a confidence for drafters without a head. It
+    # reads only the drafts before the slot (never which token was drawn there), so a policy may use it
+    draft_top: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.drafts.shape[0])
 
 
 def draft_block(
-    drafter, cache, anchor: torch.Tensor, b: int, sampling: SamplingConfig, gen, use_head: bool = True
+    drafter, cache, anchor: torch.Tensor, b: int, sampling: SamplingConfig, gen, use_head: bool = True, top=False
 ) -> Proposal:
     """Backbone pass, then the head's left-to-right rollout over the first b slots.
 
     anchor: [1] the last committed token; the drafter cache holds the context before it.
     """
-    z = drafter.backbone_block(cache, anchor)[0, :b]  # [b, H]
-    base = drafter.base_logits(z)  # [b, V'] (V' = draft vocabulary)
-    head = drafter.head
-    conf = drafter.confidence
-    if not use_head or not head.corrects:
-        if sampling.greedy:
-            drafts, dists = drafter.to_target_ids(base.argmax(-1)), None
+    z = drafter.backbone_block(cache, anchor)  # [1, B, H]
+    return rollout(drafter, z, anchor, [b], [sampling], [gen], use_head, top)[0]
+
+
+def draft_rows(
+    drafter, rows, slots: list[int], anchors: torch.Tensor, bs: list[int], samplings, gens, use_head=True, top=False
+):
+    """One backbone pass for many sequences in draft-cache slots, then one batched rollout.
+
+    anchors [R]; row r proposes bs[r] drafts with its own sampling settings and generator.
+    """
+    z = drafter.backbone_rows(rows, slots, anchors)  # [R, B, H]
+    return rollout(drafter, z, anchors, bs, samplings, gens, use_head, top)
+
+
+def _pick(logits: torch.Tensor, samplings, gens) -> tuple[torch.Tensor, list]:
+    """Row r of logits [R, ..., V'] -> its drafts (argmax, or drawn with gens[r]) and, when drawn, the
+    distribution it was drawn from. Each row's draws come from its own generator, in row order."""
+    picks, dists = [], []
+    for r, (s, g) in enumerate(zip(samplings, gens)):
+        if s.greedy:
+            picks.append(logits[r].argmax(-1))
+            dists.append(None)
         else:
-            probs = warp_probs(base, sampling)
-            drafts, dists = drafter.to_target_ids(sample(probs, gen)), drafter.to_target_probs(probs)
+            p = warp_probs(logits[r], s)
+            picks.append(sample(p, g))
+            dists.append(p)
+    return torch.stack(picks), dists
+
+
+def rollout(drafter, z: torch.Tensor, anchors: torch.Tensor, bs: list[int], samplings, gens, use_head=True, top=False):
+    """The head's left-to-right rollout for R blocks at once: z [R, B, H], anchors [R] -> R Proposals.
+
+    top: also give each slot's largest (unwarped) draft probability (Proposal.draft_top).
+    """
+    R, b = z.shape[0], max(bs)
+    z = z[:, :b]
+    base = drafter.base_logits(z.reshape(R * b, -1)).view(R, b, -1)  # [R, b, V'] (V' = draft vocabulary)
+    head, conf = drafter.head, drafter.confidence
+    if not use_head or not head.corrects:
+        picks, dists = _pick(base, samplings, gens)  # [R, b]
+        drafts = drafter.to_target_ids(picks)
         confidence = None
         if conf is not None:  # slot k reads the token before it: the anchor, then the drafts
-            prev = torch.cat([anchor, drafts[:-1]])
-            confidence = conf(z, drafter.embed(prev).to(z.dtype))
-        return Proposal(drafts, dists, confidence)
-    drafts, dists, confidence = [], [], []
-    prev = anchor  # [1] target id
-    state = head.init_state(z[:1])
-    for k in range(b):
-        prev_emb = drafter.embed(prev)
-        if conf is not None:
-            confidence.append(conf(z[k : k + 1], prev_emb.to(z.dtype)))
-        delta, state = head.step(k, z[k : k + 1], prev_emb, prev, state)
-        logits = base[k : k + 1] if delta is None else base[k : k + 1] + delta
-        if sampling.greedy:
-            pick = logits.argmax(-1)
-        else:
-            p = warp_probs(logits, sampling)
-            pick = sample(p, gen)
-            dists.append(p)
-        prev = drafter.to_target_ids(pick)
-        drafts.append(prev)
-    return Proposal(
-        torch.cat(drafts),
-        drafter.to_target_probs(torch.cat(dists)) if dists else None,
-        torch.cat(confidence) if confidence else None,
-    )
+            prev = torch.cat([anchors[:, None], drafts[:, :-1]], dim=1)  # [R, b]
+            confidence = conf(z, drafter.embed(prev).to(z.dtype))  # [R, b]
+        steps = [(drafts[:, k], [d if d is None else d[k : k + 1] for d in dists]) for k in range(b)]
+        tops = torch.softmax(base.float(), -1).amax(-1) if top else None  # [R, b]
+    else:
+        steps, confidence, prev, tops = [], [], anchors, []  # prev [R] target ids
+        state = head.init_state(z[:, 0])
+        for k in range(b):
+            prev_emb = drafter.embed(prev)
+            if conf is not None:
+                confidence.append(conf(z[:, k], prev_emb.to(z.dtype)))  # [R]
+            delta, state = head.step(k, z[:, k], prev_emb, prev, state)
+            logits = base[:, k] if delta is None else base[:, k] + delta  # [R, V']
+            if top:
+                tops.append(torch.softmax(logits.float(), -1).amax(-1))  # [R]
+            picks, dists = _pick(logits[:, None], samplings, gens)  # [R, 1]
+            prev = drafter.to_target_ids(picks[:, 0])
+            steps.append((prev, dists))
+        confidence = torch.stack(confidence, dim=1) if confidence else None
+        tops = torch.stack(tops, dim=1) if top else None
+    out = []
+    for r in range(R):
+        drafts = torch.stack([t[r] for t, _ in steps])[: bs[r]]
+        probs = None
+        if not samplings[r].greedy:
+            probs = drafter.to_target_probs(torch.cat([d[r] for _, d in steps])[: bs[r]])
+        conf_r = confidence[r, : bs[r]] if confidence is not None else None
+        out.append(Proposal(drafts, probs, conf_r, draft_top=None if tops is None else tops[r, : bs[r]]))
+    return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -228,3 +228,153 @@ def make_policy(
                 f"are verified per cycle (rerun `dominospec profile --max-k {b + 1}`)"
             )
     return CostPolicy(temps, note, costs=costs)
+
+
+# ----- over a whole batch: one verify budget for every running sequence -----
+
+
+def allocate_verify(survival: Sequence[Sequence[float]], step_seconds: Callable[[int], float]) -> list[int]:
+    """DSpark's Algorithm 1: drafts to verify per sequence in one batched forward.
+
+    survival[r][j-1] = a_{r,j} = P(sequence r's drafts 1..j all accepted) (non-increasing in j).
+    step_seconds(B) = what one step costs with B new tokens in the target forward (drafting included).
+    Every sequence verifies its anchor (B starts at R). Candidates (r, j) are taken by falling a_{r,j}
+    while the expected committed tokens per second, tau(B) / step_seconds(B) with
+    tau = R + sum of the taken a's, rises; the first drop stops the search (never look past it: the
+    next candidate's a reads the draft a later one would decide about; see the module doc).
+    """
+    R = len(survival)
+    cands = sorted(((-float(a), j, r) for r, row in enumerate(survival) for j, a in enumerate(row)))
+    ks = [0] * R
+    tau, B = float(R), R
+    rate = tau / step_seconds(B)
+    for neg_a, j, r in cands:
+        if j != ks[r]:  # a row's drafts are verified as a prefix (ties broken by position)
+            break
+        nxt = (tau - neg_a) / step_seconds(B + 1)
+        if not nxt > rate:
+            break
+        tau, B, rate = tau - neg_a, B + 1, nxt
+        ks[r] += 1
+    return ks
+
+
+@dataclass
+class BatchCostTable:
+    """What one engine step costs: seconds of a target forward by row count and new tokens per row.
+
+    seconds[rows] = [s for 1, 2, ... new tokens per row] (profiled at one context), draft_s[rows] =
+    one drafter pass for that many rows. Between profiled points the cost is interpolated by the
+    total new tokens B; a batch-1 CostTable stands in when no batched table exists.
+    """
+
+    seconds: dict[int, list[float]]
+    draft_s: dict[int, float] = field(default_factory=dict)
+    context: int = 0
+
+    @classmethod
+    def from_profile(cls, profile: dict) -> BatchCostTable | None:
+        b = profile.get("batch")
+        if not b:
+            return None
+        return cls(
+            {int(r): [float(s) for s in v] for r, v in zip(b["rows"], b["seconds"])},
+            {int(r): float(s) for r, s in zip(b["rows"], b.get("draft_seconds") or [])},
+            int(b.get("context", 0)),
+        )
+
+    @classmethod
+    def from_single(cls, costs: CostTable) -> BatchCostTable:
+        verify = costs.verify_seconds(256)
+        return cls({1: verify}, {1: costs.draft_s})
+
+    def step_seconds(self, rows: int, tokens: int) -> float:
+        """Forward over `tokens` new tokens in `rows` rows (plus the draft pass), interpolated over B."""
+        r = min(self.seconds, key=lambda x: (abs(math.log(x / rows)), -x))
+        curve = self.seconds[r]
+        pts = [(r * (k + 1), s) for k, s in enumerate(curve)]  # (B, seconds)
+        if r == 1 and rows > 1:  # a batch-1 table: B tokens in one row stands in for B tokens in R rows
+            pts = [(k + 1, s) for k, s in enumerate(curve)]
+        draft = self.draft_s.get(r, 0.0) * rows / r
+        if tokens <= pts[0][0]:
+            return draft + pts[0][1] * tokens / pts[0][0]
+        for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+            if tokens <= b1:
+                return draft + s0 + (s1 - s0) * (tokens - b0) / (b1 - b0)
+        (b0, s0), (b1, s1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] * 2, pts[0][1] * 2))
+        slope = max(0.0, (s1 - s0) / (b1 - b0))  # past the table: its last slope, never falling (noise)
+        return draft + s1 + slope * (tokens - b1)
+
+
+class BatchPolicy:
+    """Verify lengths for every running sequence of one engine step; each sees only its own proposal."""
+
+    def __init__(self, mode: str, single: VerifyPolicy, costs: BatchCostTable | None = None):
+        self.name, self.single, self.costs = mode, single, costs
+
+    def survival(self, proposal: Proposal) -> list[float]:
+        """a_j for one proposal: calibrated confidences, else the draft's own probability of its token."""
+        c = self.single.confidences(proposal) if isinstance(self.single, ConfidencePolicy) else None
+        if c is None:
+            c = draft_confidence(proposal)
+        return torch.cumprod(c.double().cpu(), 0).tolist()
+
+    def verify_lengths(self, proposals: Sequence[Proposal | None], contexts: Sequence[int]) -> list[int]:
+        if self.name != "cost":
+            return [0 if p is None else self.single.verify_length(p, c) for p, c in zip(proposals, contexts)]
+        survival = [[] if p is None else self.survival(p) for p in proposals]
+        rows = len(proposals)
+        return allocate_verify(survival, lambda B: self.costs.step_seconds(rows, B))
+
+    def describe(self) -> dict:
+        return {**self.single.describe(), "verify": self.name}
+
+
+def draft_confidence(proposal: Proposal) -> torch.Tensor:
+    """Confidences without a confidence head: lookup's running acceptance, else the drafter's largest
+    probability at each slot (at greedy, the probability of the token it chose). Not the probability of
+    a sampled token itself: that would let the draft decide about its own verification and bias T > 0."""
+    if proposal.confidence_logits is not None:
+        return torch.sigmoid(proposal.confidence_logits.double())
+    if proposal.draft_top is not None:
+        return proposal.draft_top.double()
+    return torch.full((len(proposal),), 0.5, dtype=torch.float64)
+
+
+def make_batch_policy(
+    mode: str,
+    drafter=None,
+    target=None,
+    block_size: int | None = None,
+    costs=None,
+    lookup: bool = False,
+    threshold: float | None = None,
+    report=log_once,
+) -> BatchPolicy:
+    """The engine's policy: fixed, static or cost (DSpark Algorithm 1 over all rows).
+
+    static needs confidences (a confidence head, or lookup's running acceptance); cost falls back to the
+    draft's own probability of its token for a drafter without a head. cost reads `costs` (a
+    BatchCostTable or CostTable) or the stored `dominospec profile` of the target.
+    """
+    if mode not in VERIFY_MODES:
+        raise DominoError(f"engine policy {mode!r}: choose from plain, {', '.join(VERIFY_MODES)}")
+    has_conf = (drafter is None and lookup) or (drafter is not None and getattr(drafter, "confidence", None))
+    thr = DEFAULT_THRESHOLD if threshold is None else threshold
+    if mode == "fixed" or (mode == "cost" and not has_conf):
+        single = VerifyPolicy()
+    else:
+        single = make_policy("static", drafter, target, thr, block_size=block_size, lookup=lookup, report=report)
+    if mode != "cost":
+        return BatchPolicy(mode, single)
+    if isinstance(costs, CostTable):
+        costs = BatchCostTable.from_single(costs)
+    if costs is None:
+        profile = load_profile(target) if target is not None else None
+        if profile is None:
+            raise DominoError(
+                "engine policy cost needs this device's cost table: run `dominospec profile` first (it is "
+                "stored per device, backend, dtype and thread count)"
+            )
+        costs = BatchCostTable.from_profile(profile) or BatchCostTable.from_single(CostTable.from_profile(profile))
+    return BatchPolicy(mode, single, costs)

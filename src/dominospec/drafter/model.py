@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import DominoError
 from ..target.features import check_layer_ids
+from ..target.native import KVCache
 from .checkpoint import CONFIG_NAME, check_draft_vocab, check_state, read_checkpoint, save_checkpoint
 from .config import DrafterConfig
 from .heads import HEADS, ConfidenceHead
@@ -28,12 +29,15 @@ from .layers import DraftLayer, RMSNorm, block_attention_mask, rope_tables
 
 
 class DraftCache:
-    """Per-layer K/V of committed context rows only; the block's own K/V are never stored."""
+    """One sequence's row of a per-row draft cache (a KVCache slot): K/V of committed context rows
+    only; the block's own K/V are never stored. Batch 1 owns a one-row cache that grows by doubling."""
 
-    def __init__(self, num_layers: int):
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.length = 0
+    def __init__(self, rows: KVCache, slot: int = 0):
+        self.rows, self.slot = rows, slot
+
+    @property
+    def length(self) -> int:
+        return self.rows.lengths[self.slot]
 
 
 class Drafter(nn.Module):
@@ -157,31 +161,60 @@ class Drafter(nn.Module):
         """Target features [N, S, n*H] -> context rows [N, S, H]."""
         return self.ctx_norm(self.fc(features.to(self.dtype)))
 
-    # ----- inference: one block at a time over a cached context -----
-    def new_cache(self) -> DraftCache:
-        return DraftCache(len(self.layers))
+    # ----- inference: blocks over a cached context, one sequence or many in cache slots -----
+    def new_row_cache(self, batch: int, max_len: int) -> KVCache:
+        """A preallocated per-row draft cache of `batch` slots (the engine's; see KVCache.claim)."""
+        c = self.config
+        return KVCache.allocate(
+            len(self.layers), batch, c.num_key_value_heads, max_len, c.head_dim, self.dtype, self.fc.weight.device
+        )
+
+    def new_cache(self, max_len: int = 256) -> DraftCache:
+        """A batch-1 cache (it grows when a sequence outruns `max_len`)."""
+        rows = self.new_row_cache(1, max_len)
+        rows.claimed[0] = True
+        return DraftCache(rows, 0)
 
     def extend_cache(self, cache: DraftCache, features: torch.Tensor) -> None:
         """Append committed context rows (target features [1, S, n*H] at positions cache.length..)."""
         s = features.shape[1]
         if s == 0:
             return
+        rows, slot, start = cache.rows, cache.slot, cache.length
+        rows.ensure(start + s)
         ctx = self.context(features)
-        pos = torch.arange(cache.length, cache.length + s, device=features.device).unsqueeze(0)
+        pos = torch.arange(start, start + s, device=features.device).unsqueeze(0)
         cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta, ctx.dtype)
         for i, layer in enumerate(self.layers):
-            k, v = layer.kv(ctx, cos, sin)
-            cache.k[i] = k if cache.k[i] is None else torch.cat([cache.k[i], k], dim=2)
-            cache.v[i] = v if cache.v[i] is None else torch.cat([cache.v[i], v], dim=2)
-        cache.length += s
+            k, v = layer.kv(ctx, cos, sin)  # [1, kv, S, D]
+            rows.k[i, slot, :, start : start + s] = k[0]
+            rows.v[i, slot, :, start : start + s] = v[0]
+        rows.lengths[slot] = start + s
 
     def backbone_block(self, cache: DraftCache, anchor: torch.Tensor) -> torch.Tensor:
         """Final hidden states z [1, B, H] of the block anchored right after the cached context."""
-        x = self.block_inputs(anchor)
-        pos = torch.arange(cache.length, cache.length + self.config.block_size, device=x.device).unsqueeze(0)
+        return self.backbone_rows(cache.rows, [cache.slot], anchor)
+
+    def backbone_rows(self, rows: KVCache, slots: list[int], anchors: torch.Tensor) -> torch.Tensor:
+        """z [R, B, H] of one block per slot, each anchored right after its own cached context.
+
+        anchors [R]. Rows with shorter contexts see only their own positions (a key mask); the K/V of
+        the slots are gathered once per layer (the drafter has few layers).
+        """
+        x = self.block_inputs(anchors)  # [R, B, H]
+        lens = [rows.lengths[s] for s in slots]
+        C, bs, dev = max(lens), self.config.block_size, x.device
+        pos = torch.tensor(lens, device=dev)[:, None] + torch.arange(bs, device=dev)  # [R, B]
         cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
+        mask = None
+        if len(set(lens)) > 1:  # [R, 1, B, C + B]: own context, then the whole block
+            ctx_ok = torch.arange(C, device=dev) < torch.tensor(lens, device=dev)[:, None]  # [R, C]
+            mask = torch.cat([ctx_ok, ctx_ok.new_ones(len(slots), bs)], dim=1)[:, None, None, :].expand(-1, 1, bs, -1)
+        first = slots[0]
+        sel = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else slots
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i])
+            ck, cv = rows.k[i, sel, :, :C], rows.v[i, sel, :, :C]  # [R, kv, C, D] (a gather copies)
+            x = layer(x, cos, sin, ck, cv, mask=mask)
         return self.norm(x)
 
     # ----- training: many blocks of one sequence in one forward -----

@@ -211,6 +211,53 @@ class Target:
         if extra > 0:
             cache.crop(-extra)  # positive crop(n) raises from transformers 5.18 on
 
+    # ----- rows: independent sequences in the fixed slots of one cache (native backend only) -----
+    def new_row_cache(self, batch: int, max_len: int) -> KVCache:
+        """A preallocated cache of `batch` slots of `max_len` positions each (see KVCache.claim)."""
+        if self.native is None:
+            raise DominoError(
+                f"target {self.name!r} runs on the transformers backend, which decodes one sequence at a "
+                "time; batched decoding needs the native backend (Llama/Mistral/Qwen2/Qwen3, --backend native)"
+            )
+        return self.native.new_cache(batch=batch, max_len=max_len)
+
+    @torch.inference_mode()
+    def forward_rows(
+        self,
+        ids: torch.Tensor,
+        cache: KVCache,
+        num_new: Sequence[int] | None = None,
+        start: int = 0,
+        logits: str = "all",
+        layer_ids: Sequence[int] | None = None,
+        with_features: bool = False,
+    ) -> TargetOutput:
+        """One ragged forward over cache rows start..start+R-1: row r appends its first num_new[r] tokens.
+
+        ids [R, S] (columns past num_new[r] are padding); logits "all" -> [R, S, V], "last" -> [R, 1, V]
+        at each row's last new token, "none" -> None. Other rows of the cache are neither read nor moved.
+        """
+        view = cache.rows(start, start + ids.shape[0])
+        if max(view.lengths) + ids.shape[1] > cache.max_len:  # a view cannot grow: writes would be lost
+            raise DominoError(
+                f"rows {start}..{start + ids.shape[0] - 1} would pass the cache's {cache.max_len} positions "
+                f"(longest row {max(view.lengths)} + {ids.shape[1]} new)"
+            )
+        out, feats = self.native(
+            ids,
+            view,
+            num_new=None if num_new is None else list(num_new),
+            logits=logits,
+            feature_layers=list(layer_ids or self.layer_ids) if with_features else None,
+        )
+        cache.sync(view, start)
+        return TargetOutput(out.unsqueeze(1) if logits == "last" else out, feats)
+
+    @staticmethod
+    def set_row_length(cache: KVCache, row: int, length: int) -> None:
+        """Roll one row back (or forward over positions it already holds) to `length` positions."""
+        cache.set_length(row, length)
+
     # ----- forward -----
     @torch.inference_mode()
     def forward(

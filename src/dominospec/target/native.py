@@ -136,18 +136,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 class KVCache:
-    """Preallocated K/V: k, v [layers, batch, kv_heads, max_len, head_dim].
+    """Preallocated K/V: k, v [layers, batch, kv_heads, max_len, head_dim]; the one cache of the house.
 
     `lengths` is a python list of ints (one per row): reading it never syncs a device and rollback
     is an assignment. Positions >= lengths[b] hold stale values that attention never reads. A
     forward that would overrun max_len doubles the buffers first (rare; copies them once).
+    The target's native forward and the drafter both keep their context here. A serving engine
+    uses rows as fixed slots: `claim` one for a new sequence, `release` it when the sequence ends;
+    no other row is copied or moved.
     """
 
     def __init__(self, cfg: NativeConfig, batch: int, max_len: int, dtype, device):
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self._allocate(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
+
+    @classmethod
+    def allocate(cls, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> KVCache:
+        """A cache of any layer / head shape (the drafter's layers, say)."""
+        cache = cls.__new__(cls)
+        cache._allocate(layers, batch, kv_heads, max_len, head_dim, dtype, device)
+        return cache
+
+    def _allocate(self, layers, batch, kv_heads, max_len, head_dim, dtype, device) -> None:
+        shape = (layers, batch, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = [0] * batch
+        self.claimed = [False] * batch  # slot bookkeeping (claim / release)
 
     @property
     def batch(self) -> int:
@@ -156,6 +170,10 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    @property
+    def bytes_per_row(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
 
     def length(self, row: int = 0) -> int:
         return self.lengths[row]
@@ -171,25 +189,47 @@ class KVCache:
             raise ValueError("crop() is for batch 1; use set_length(row, n)")
         self.set_length(0, n)
 
+    def claim(self) -> int | None:
+        """The lowest free slot, now claimed and empty; None when every slot is taken."""
+        for r, taken in enumerate(self.claimed):
+            if not taken:
+                self.claimed[r], self.lengths[r] = True, 0
+                return r
+        return None
+
+    def release(self, row: int) -> None:
+        """Free a slot; its stale K/V stay in place and are overwritten by the next sequence."""
+        self.claimed[row], self.lengths[row] = False, 0
+
     def keep_rows(self, rows: list[int]) -> None:
         """Drop every row not in `rows` (finished sequences of a batch), keeping their order."""
         idx = torch.tensor(rows, device=self.k.device)
         self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
         self.lengths = [self.lengths[r] for r in rows]
+        self.claimed = [self.claimed[r] for r in rows]
 
     def reset(self) -> None:
         self.lengths = [0] * self.batch
 
-    def row(self, b: int) -> KVCache:
-        """Row b as a batch-1 cache on the same storage: a prompt can be prefilled alone, unpadded.
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows start..stop-1 as a cache on the same storage: a forward over some slots, no copy.
 
-        Writes through the view land in this cache; copy its length back afterwards (set_length).
-        The view must not grow (size this cache for the prompt first).
+        Writes through the view land in this cache; `sync(view, start)` copies the lengths back.
+        The view must not grow (size this cache for the longest sequence first).
         """
         view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, b : b + 1], self.v[:, b : b + 1]
-        view.lengths = [self.lengths[b]]
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.lengths = self.lengths[start:stop]
+        view.claimed = self.claimed[start:stop]
         return view
+
+    def row(self, b: int) -> KVCache:
+        """Row b as a batch-1 cache on the same storage: a prompt can be prefilled alone, unpadded."""
+        return self.rows(b, b + 1)
+
+    def sync(self, view: KVCache, start: int) -> None:
+        """Take the lengths of a `rows(start, ...)` view after a forward through it."""
+        self.lengths[start : start + view.batch] = view.lengths
 
     def ensure(self, needed: int) -> None:
         """Grow (doubling) so that `needed` positions fit; rare path, copies the old buffers."""

@@ -1,0 +1,73 @@
+"""Running the app: uvicorn, the engine's lifetime, and draining on SIGTERM.
+
+The first SIGTERM (or Ctrl-C) starts a drain: new generation requests get 503 with Retry-After
+and /health says "draining", while requests already submitted run to their end. When none is
+left (or `drain_timeout` passes) uvicorn stops, the engine shuts down, and `serve` returns, so
+the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+
+import uvicorn
+
+from ..log import log
+from .app import Gate, ServeConfig, create_app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain between the signal and the stop."""
+
+    def __init__(self, config: uvicorn.Config, gate: Gate, drain_timeout: float):
+        super().__init__(config)
+        self.gate, self.drain_timeout = gate, drain_timeout
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # uvicorn would re-raise a captured signal after stopping (exit status 128+n); a drain is a clean exit
+        if self.gate.draining:
+            self.should_exit = True
+            self.force_exit = sig == signal.SIGINT
+            return
+        log(f"serve: {signal.Signals(sig).name}: draining {self.gate.active} request(s), refusing new ones")
+        self.gate.draining = True
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.gate.draining and not self.should_exit:
+            if self.gate.active == 0 or time.monotonic() > self.drain_deadline:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def make_server(
+    engine,
+    target,
+    config: ServeConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "warning",
+) -> DrainingServer:
+    """The server over `engine` (started with the app, shut down with it); `.run()` blocks until it stops."""
+    gate = Gate()
+    app = create_app(engine, target, config, gate)
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    return DrainingServer(uv_config, gate, drain_timeout=config.request_timeout)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (for tests and load tests on loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
