@@ -90,3 +90,16 @@ def llama_target():
 @pytest.fixture(scope="session")
 def qwen3_target():
     return tiny_target("qwen3")
+
+
+@pytest.fixture(params=["kernels-on", "kernels-off"])
+def linear_path(request, monkeypatch):
+    """Runs a test once with the small-M kernel (where it builds) and once on the library GEMMs."""
+    from dominospec.target import kernels
+
+    monkeypatch.setenv(kernels.ENV_SWITCH, "on" if request.param == "kernels-on" else "off")
+    kernels.reset_kernels()
+    if request.param == "kernels-on" and kernels.load_kernels() is None:
+        pytest.skip("the small-M kernel does not build here (no compiler)")
+    yield request.param
+    kernels.reset_kernels()
