@@ -116,13 +116,15 @@ def build_methods(
     costs: CostTable | None = None,
     threshold: float = DEFAULT_THRESHOLD,
     lookup_min_match: int = HYBRID_MIN_MATCH,
+    greedy: bool = False,
 ) -> tuple[list[Method], list[str]]:
     """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
 
     `ar` is always included: it is the reference everything else is compared with. Each drafter, the
     lookup proposer and each hybrid run once per `verify` mode (fixed keeps the plain name, the others
     get -static / -cost); a mode a method cannot run (no confidence head, no device profile for cost)
-    is skipped with a note. `sweep` adds each drafter at every smaller fixed block size.
+    is skipped with a note. `sweep` adds each drafter at every smaller fixed block size. greedy: the
+    cost policy searches its whole curve (lossless at T=0 only).
     """
     notes: list[str] = []
     methods = [Method(REFERENCE, "ar")]
@@ -141,7 +143,9 @@ def build_methods(
         out = []
         for mode in verify:
             try:
-                policy = make_policy(mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append)
+                policy = make_policy(
+                    mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append, greedy=greedy
+                )
             except DominoError as exc:
                 notes.append(f"{name}-{mode}: skipped ({exc})")
                 continue
@@ -391,6 +395,7 @@ def benchmark(
                     "committed": r.committed,
                     "verified": r.verified,
                     "lookup_cycles": r.lookup_cycles,
+                    "draft_skipped": r.draft_skipped,
                     "tokens": r.tokens,
                 }
             )

@@ -62,6 +62,7 @@ def cmd_generate(args) -> int:
             block_size=block_size,
             lookup=lookup is not None,
             report=log,
+            greedy=sampling.greedy,
         )
     prompt_ids, too_long = encode_if_fits(
         args.prompt, target.encode_raw if args.raw else target.encode_chat, target.max_positions, target.max_token_chars

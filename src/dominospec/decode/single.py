@@ -144,6 +144,7 @@ def generate_speculative(
     if not 1 <= b <= top:
         raise DominoError(f"block size {b} must be between 1 and the drafter's {top}")
     verify = verify or VerifyPolicy()
+    verify.start()
     ids = _check_prompt(prompt_ids, max_new_tokens).to(dev)
     eos = set(target.eos_ids if eos_ids is None else eos_ids)
     gen = _generator(seed, dev)
@@ -180,7 +181,10 @@ def generate_speculative(
             if drafter is not None and matched < lookup.min_match:
                 proposal = None
         if proposal is None and drafter is not None:
-            proposal = draft_block(drafter, dcache, anchor, drafts_now, sampling, gen, use_head)
+            if verify.wants_draft(committed_len - 1):  # from earlier cycles only: lossless when sampling
+                proposal = draft_block(drafter, dcache, anchor, drafts_now, sampling, gen, use_head)
+            else:
+                res.draft_skipped += 1  # this cycle is one plain decode step
         # k drafts verified: decided from the drafts and confidences only, never from the target's verdict
         k = verify.verify_length(proposal, committed_len - 1) if proposal is not None else 0
         drafts = proposal.drafts[:k] if proposal is not None else anchor[:0]
@@ -207,8 +211,10 @@ def generate_speculative(
         if proposal is not None and proposal.source == "lookup":
             lookup.record(k, n)
             res.lookup_cycles += 1
-        if on_cycle and proposal is not None:
-            on_cycle(proposal, k, n)
+        if proposal is not None:
+            verify.observe(proposal, k, n)
+            if on_cycle:
+                on_cycle(proposal, k, n)
         new, done = _truncate(new, eos, max_new_tokens - len(res.tokens))
         res.cycles += 1
         res.accepted.append(n)
