@@ -130,3 +130,9 @@ class PackedLinear:
             rows = rows.contiguous()
         y = self.module.linear(rows, self.panels, self.bias, self.out_features)  # [M, N]
         return y.view(*x.shape[:-1], self.out_features)
+
+    def after_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """linear(silu(gate) * up) for gate_up [..., 2I] = [gate | up], the activation fused in."""
+        rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+        y = self.module.linear_silu_mul(rows, self.panels, self.bias, self.out_features)  # [M, N]
+        return y.view(*gate_up.shape[:-1], self.out_features)

@@ -278,11 +278,16 @@ class Block(nn.Module):
         c = self.cfg
         B, S, _ = x.shape
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        fused = self.down.kernel is not None  # the kernel extension also fuses RoPE and SiLU-mul
         qkv = self.qkv(rms_norm(x, self.attn_norm, self.eps)).view(B, S, Hq + 2 * Hkv, D)  # heads q|k|v
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]  # q and k heads side by side; [B, S, Hkv, D]
         if self.qk_norm is not None:
             qk = rms_norm(qk, None, self.eps) * self.qk_norm  # [B, S, Hq+Hkv, D]
-        qk = ctx.rope.apply(qk, ctx.cos, ctx.sin)  # one RoPE for q and k together
+        if fused:  # one call: rotate q and k heads, reading them in place from qkv
+            cos, sin = ctx.cos.reshape(-1, S, D), ctx.sin.reshape(-1, S, D)  # [B or 1, S, D]
+            qk = self.down.kernel.module.rope(qk, cos.contiguous(), sin.contiguous(), Hq + Hkv)
+        else:
+            qk = ctx.rope.apply(qk, ctx.cos, ctx.sin)  # one RoPE for q and k together
         q, k = qk[:, :, :Hq], qk[:, :, Hq:]  # [B, S, Hq, D], [B, S, Hkv, D]
         kc, vc = cache.k[layer], cache.v[layer]  # [B, Hkv, max_len, D]
         for rows, p in ctx.writes:  # padding columns land past the row's length: never read
@@ -297,7 +302,10 @@ class Block(nn.Module):
             )  # [B, Hq, S, D]
             out = out.transpose(1, 2)
         h = x + self.o(out.reshape(B, S, Hq * D))  # out-of-place: x may be a returned feature
-        gate, up = self.gate_up(rms_norm(h, self.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B, S, I] x2
+        gate_up = self.gate_up(rms_norm(h, self.mlp_norm, self.eps))  # [B, S, 2I]
+        if fused:
+            return h + self.down.kernel.after_silu_mul(gate_up)  # [B, S, H]
+        gate, up = gate_up.chunk(2, dim=-1)  # [B, S, I] x2
         return h + self.down(F.silu(gate) * up)  # [B, S, H]
 
 

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -132,7 +133,57 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   return y;
 }
 
+torch::Tensor linear_silu_mul(const torch::Tensor& gate_up, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias, int64_t N) {
+  // gate_up [M, 2I] float32 contiguous -> linear(silu(gate) * up): the MLP's down projection, with the
+  // activation computed here instead of in three tensor ops
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous(),
+              "gate_up must be [M, 2I] float32");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto act = torch::empty({M, I}, gate_up.options());
+  const float* gu = gate_up.data_ptr<float>();
+  float* a = act.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gu + m * 2 * I;
+    const float* u = g + I;
+    float* am = a + m * I;
+    for (int64_t i = 0; i < I; ++i) am[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+  return linear(act, packed, bias, N);
+}
+
+torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads) {
+  // x [B, S, >= heads, D] float32, last dim contiguous; cos/sin [1 or B, S, D] contiguous, the sign of
+  // rotate_half folded into sin. Returns the first `heads` heads rotated: [B, S, heads, D] contiguous,
+  // out = x * cos + roll(x, D/2) * sin.
+  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && x.stride(3) == 1, "x must be [B, S, H, D] float32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 3 && cos.sizes() == sin.sizes(), "bad cos/sin");
+  const int64_t B = x.size(0), S = x.size(1), D = x.size(3), half = D / 2, Bc = cos.size(0);
+  TORCH_CHECK(heads <= x.size(2) && D % 2 == 0 && cos.size(1) == S && cos.size(2) == D && (Bc == 1 || Bc == B),
+              "rope: shapes do not match");
+  auto out = torch::empty({B, S, heads, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sb = x.stride(0), ss = x.stride(1), sh = x.stride(2);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < S; ++t) {
+      const float* c = cp + ((Bc == 1 ? 0 : b) * S + t) * D;
+      const float* sn = sp + ((Bc == 1 ? 0 : b) * S + t) * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* xi = xp + b * sb + t * ss + h * sh;
+        float* o = op + ((b * S + t) * heads + h) * D;
+        for (int64_t d = 0; d < half; ++d) o[d] = xi[d] * c[d] + xi[d + half] * sn[d];
+        for (int64_t d = half; d < D; ++d) o[d] = xi[d] * c[d] + xi[d - half] * sn[d];
+      }
+    }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_silu_mul", &linear_silu_mul);
+  m.def("rope", &rope);
   m.def("panel_width", &panel_width);
   m.def("max_rows_per_group", &max_rows_per_group);
   m.def("pack", &pack);
