@@ -28,7 +28,16 @@ def main() -> None:
     ap.add_argument("--max-m", type=int, default=17)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this thread's CPU time (1 thread only): time descheduled on a shared machine is not counted",
+    )
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures one thread; use --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     module = load_kernels()
@@ -64,11 +73,14 @@ def main() -> None:
         for _ in range(args.repeats):
             for m in ms:
                 for p, f in paths.items():
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     f(inputs[m])
-                    times[(p, m)].append(time.perf_counter() - t0)
+                    times[(p, m)].append(clock() - t0)
     med = {key: 1000 * statistics.median(v) for key, v in times.items()}
-    print(f"# {cpu_model()}, {args.threads} thread(s), median of {args.repeats}, ms for all {len(SHAPES)} matmuls")
+    print(
+        f"# {cpu_model()}, {args.threads} thread(s), {args.clock} clock, median of {args.repeats}, "
+        f"ms for all {len(SHAPES)} matmuls"
+    )
     print("| M | " + " | ".join(paths) + " |")
     print("|---:|" + "---:|" * len(paths))
     for m in ms:
