@@ -27,7 +27,6 @@ from ..io import cache_dir
 from ..log import log, log_once
 
 SOURCE = Path(__file__).with_name("small_m_linear.cpp")
-KERNEL_MAX_ROWS = 17  # the kernel serves 1..KERNEL_MAX_ROWS rows; more rows (prefill) go to oneDNN
 ENV_SWITCH = "DOMINOSPEC_KERNELS"  # "off": today's library paths only (for A/B runs)
 
 _loaded: dict[str, object] = {}  # "module" -> the extension, or None once a build was refused/failed
