@@ -237,20 +237,22 @@ def assert_matches_target_distribution(run, target, prompt, sampling=SAMPLING, s
     """Chi-square goodness of fit of n speculative `steps`-token samples (seeds 0..n-1) against the exact
     distribution; no sample may have probability zero. run(seed) -> GenerationResult.
 
-    Returns what the runs did (accepted_any, verified lengths, lookup_cycles) so the caller can check that
+    Returns what the runs did (accepted_any, verified lengths, lookup_cycles, draft_skipped) so the caller can
+    check that
     the mechanism under test was really exercised. Each distribution test has a control that a wrong rule
     fails at the same n.
     """
     from scipy.stats import chisquare
 
     exact = exact_distribution(target, prompt, steps, sampling)
-    counts, seen = {}, {"verified": set(), "accepted_any": 0, "lookup_cycles": 0}
+    counts, seen = {}, {"verified": set(), "accepted_any": 0, "lookup_cycles": 0, "draft_skipped": 0}
     for seed in range(n):
         res = run(seed)
         counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
         seen["verified"].update(res.verified)
         seen["accepted_any"] += sum(res.accepted) > 0
         seen["lookup_cycles"] += res.lookup_cycles
+        seen["draft_skipped"] += getattr(res, "draft_skipped", 0)
     assert sum(c for k, c in counts.items() if exact.get(k, 0) == 0) == 0, "a sample the target cannot produce"
     # bins with enough expected mass; the rest pooled into one
     big = [k for k in sorted(exact, key=exact.get, reverse=True) if exact[k] * n >= 5]
@@ -457,3 +459,16 @@ def assert_matches_distribution(samples: list, exact: dict, min_bins: int = 15) 
     assert sum(c for k, c in counts.items() if exact.get(k, 0) == 0) == 0
     stat = chisquare(obs, exp)
     assert stat.pvalue > 1e-3, stat
+
+
+@pytest.fixture(params=["kernels-on", "kernels-off"])
+def linear_path(request, monkeypatch):
+    """Runs a test once with the small-M kernel (where it builds) and once on the library GEMMs."""
+    from dominospec.target import kernels
+
+    monkeypatch.setenv(kernels.ENV_SWITCH, "on" if request.param == "kernels-on" else "off")
+    kernels.reset_kernels()
+    if request.param == "kernels-on" and kernels.load_kernels() is None:
+        pytest.skip("the small-M kernel does not build here (no compiler)")
+    yield request.param
+    kernels.reset_kernels()

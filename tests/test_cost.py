@@ -6,6 +6,7 @@ import pytest
 from conftest import tiny_drafter
 
 from dominospec.decode import cost
+from dominospec.errors import DominoError
 
 
 def profile_table(verify_ms, draft_ms=None):
@@ -45,8 +46,6 @@ def test_profile_and_auto_block_size_round_trip(llama_target, tmp_path, monkeypa
     b, note = cost.auto_block_size(llama_target, drafter)
     assert b == 4 and "acceptance.json" in note  # nothing measured yet: the drafter's own
     (drafter.directory / "acceptance.json").write_text(json.dumps({"conditional": [0.9, 0.8, 0.7, 0.6]}))
-    b, note = cost.auto_block_size(llama_target, drafter)
-    assert b == 4 and "dominospec profile" in note
     table = cost.profile_device(llama_target, drafter, contexts=(16, 600), max_k=5, repeats=1, progress=False)
     assert list(table["verify"]) == ["16"]  # 600 + 5 does not fit the 512-position target
     assert table["draft"]["b"] == [1, 2, 3, 4] and table["fingerprint"]["backend"] == "hf"
@@ -54,3 +53,61 @@ def test_profile_and_auto_block_size_round_trip(llama_target, tmp_path, monkeypa
     assert path.parent == tmp_path / "cache" / "profiles" and cost.load_profile(llama_target) == table
     b, note = cost.auto_block_size(llama_target, drafter)
     assert 0 <= b <= 4 and "chose" in note
+
+
+def test_a_missing_profile_is_measured_once_then_reused(llama_target, tmp_path, monkeypatch):
+    """Protects: first use measures a short profile (saying so in one line) and stores it; the
+    second use reads the stored one without measuring."""
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
+    said = []
+    table = cost.ensure_profile(llama_target, max_k=3, report=said.append, contexts=(16,))
+    assert len(said) == 1 and "quick" in said[0] and table["quick"] is True
+    assert table["verify"]["16"]["k"] == [1, 2, 3] and "draft" not in table
+    path = cost.profile_path(cost.device_fingerprint(llama_target))
+    assert path.exists() and cost.load_profile(llama_target) == table
+    said.clear()
+    assert cost.ensure_profile(llama_target, max_k=3, report=said.append, contexts=(16,)) == table and not said
+    drafter = tiny_drafter(llama_target, block_size=2)  # a drafter's cost is added to the stored table
+    with_draft = cost.ensure_profile(llama_target, drafter, max_k=3, report=said.append, contexts=(16,))
+    assert with_draft["draft"]["b"] == [1, 2] and cost.load_profile(llama_target)["draft"]["b"] == [1, 2]
+
+
+GOOD = {"fingerprint": {}, "verify": {"256": {"k": [1, 2], "seconds": [0.01, 0.012]}}}
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        ("", "unreadable or truncated"),
+        (json.dumps(GOOD)[:-9], "unreadable or truncated"),
+        ("directory", "is a directory"),
+        (json.dumps({"fingerprint": {}}), "no 'verify' table"),
+        (json.dumps({**GOOD, "verify": {"256": {"k": [1, 2]}}}), "size and seconds lists"),
+        (json.dumps({**GOOD, "verify": {"256": {"k": [1, 2], "seconds": [0.01, 0.0]}}}), "0.0 seconds"),
+        (json.dumps({**GOOD, "verify": {"256": {"k": [1, 2], "seconds": [0.01, float("nan")]}}}), "nan"),
+        (json.dumps({**GOOD, "draft": {"b": [1], "seconds": [-1]}}), "-1 seconds"),
+    ],
+)
+def test_a_damaged_profile_is_refused_naming_the_file_and_remade(damage, why, llama_target, tmp_path, monkeypatch):
+    """Protects: a truncated, empty, directory, keyless or zero/NaN-timed profile is never used: reading
+    it raises a DominoError that names the file and the fault, and first use measures a new one."""
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
+    path = cost.profile_path(cost.device_fingerprint(llama_target))
+    path.parent.mkdir(parents=True)
+    if damage == "directory":
+        (path / "inner").mkdir(parents=True)
+    else:
+        path.write_text(damage)
+    with pytest.raises(DominoError, match=why) as err:
+        cost.load_profile(llama_target)
+    assert str(path) in str(err.value)
+    said = []
+    table = cost.ensure_profile(llama_target, max_k=2, report=said.append, contexts=(16,))
+    assert str(path) in said[0] and "measuring it again" in said[0] and "quick" in said[1]
+    assert path.is_file() and cost.load_profile(llama_target) == table
+
+
+def test_an_intact_profile_passes_the_check(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(GOOD))  # control: the checks above refuse faults, not good tables
+    assert cost.read_profile(path) == GOOD

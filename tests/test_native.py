@@ -84,7 +84,7 @@ def check_rows(model, full_ids, logits, feats, start, tol):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
-def test_matches_transformers_prefill_steps_verify_rollback(kind, dtype):
+def test_matches_transformers_prefill_steps_verify_rollback(kind, dtype, linear_path):
     """Protects: native logits and feature layers equal HF's for prefill, 1-token steps, a k-token
     verify on a cached prefix, and after rollback + re-extension with different tokens."""
     model = tiny(kind, dtype)
@@ -117,7 +117,7 @@ def test_matches_transformers_prefill_steps_verify_rollback(kind, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_ragged_batch_equals_rows_alone(dtype):
+def test_ragged_batch_equals_rows_alone(dtype, linear_path):
     """Protects: in a batch with different cached lengths and different numbers of new tokens,
     padding columns change nothing and every real column equals that sequence run alone
     (ragged prefill, ragged multi-token verify, then a 1-token step at different lengths)."""
@@ -170,18 +170,47 @@ def test_batch_equal_lengths_decode_without_mask():
 
 @pytest.mark.skipif(not _packing_available(), reason="oneDNN packing not in this torch build")
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_f_linear(bias):
-    """Protects: the packed / transposed / plain fp32 paths all compute x @ W^T + b, every row count."""
+def test_packed_linear_equals_f_linear(bias, linear_path):
+    """Protects: the kernel / packed / transposed / plain fp32 paths all compute x @ W^T + b, every row count."""
     torch.manual_seed(3)
     for out_f, in_f in [(96, 64), (64, 96), (960, 576), (576, 1536)]:  # both M=1 paths
         w = torch.randn(out_f, in_f) / in_f**0.5
         b = torch.randn(out_f) if bias else None
         lin = Linear(w, b)
-        assert lin.packed is not None
+        assert (lin.kernel is not None) == (linear_path == "kernels-on")
+        assert (lin.packed is not None) == (linear_path == "kernels-off")
         for m in [1, 2, 9, 17, 64]:
             x = torch.randn(1, m, in_f)
             assert (lin(x) - F.linear(x, w, b)).abs().max().item() <= 1e-4
-    assert Linear(w.double()).packed is None  # other dtypes use F.linear
+    assert Linear(w.double()).packed is None and Linear(w.double()).kernel is None  # other dtypes: F.linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_linear_equals_f_linear_at_every_small_row_count(bias):
+    """Protects: the small-M kernel computes x @ W^T + b to fp32 rounding for M = 1..17 on odd
+    shapes (N not a multiple of the panel width, K odd), and a row's result does not depend on
+    the other rows in the call (same bits alone and in a batch of 17)."""
+    from dominospec.target.kernels import PackedLinear, load_kernels
+
+    module = load_kernels()
+    if module is None:
+        pytest.skip("the small-M kernel does not build here (no compiler)")
+    g = torch.Generator().manual_seed(7)
+    for out_f, in_f in [(1, 1), (5, 3), (33, 17), (100, 37), (960, 576), (576, 1536)]:
+        w = torch.randn(out_f, in_f, generator=g) / in_f**0.5
+        b = torch.randn(out_f, generator=g) if bias else None
+        lin = PackedLinear(module, w, b)
+        x = torch.randn(17, in_f, generator=g)
+        batch = lin(x)
+        for m in range(1, 18):
+            y = lin(x[:m])
+            assert y.shape == (m, out_f)
+            assert (y - F.linear(x[:m], w, b)).abs().max().item() <= 1e-4 * max(1.0, in_f**0.5)
+            assert torch.equal(y, batch[:m])
+        assert lin(x[None, 3:7]).shape == (1, 4, out_f)  # leading dimensions pass through
+    control = w.clone()
+    control[0, 0] += 1.0  # a wrong weight is caught by the same comparison
+    assert (PackedLinear(module, control, b)(x) - F.linear(x, w, b)).abs().max().item() > 1e-2
 
 
 def test_native_support_refuses_other_families():
@@ -243,6 +272,23 @@ def test_target_on_native_backend_decodes_exactly_like_transformers():
         assert generate_autoregressive(nat, prompt, 24, eos_ids=[]).tokens == ref
         for b in (1, 4):
             spec = generate_speculative(nat, drafter, prompt, 24, block_size=b, eos_ids=[])
+            assert spec.tokens == ref and spec.cycles > 0
+
+
+def test_greedy_speculative_equals_plain_greedy_in_fp32_on_each_linear_path(linear_path):
+    """Protects: in fp32 on the native path (kernel or library GEMMs), greedy speculative output is
+    token for token the plain greedy output of the same path, for every block size."""
+    from conftest import tiny_drafter
+
+    from dominospec import Target, generate_autoregressive, generate_speculative
+
+    nat = Target(tiny("llama", torch.float32), name="native", backend="native")
+    assert (nat.native.lm_head.kernel is not None) == (linear_path == "kernels-on")
+    drafter = tiny_drafter(nat, head="domino", block_size=4).to(torch.float32)
+    for prompt in ([1, 5, 9, 2], [7] * 11, list(range(3, 40, 2))):
+        ref = generate_autoregressive(nat, prompt, 32, eos_ids=[]).tokens
+        for b in (1, 2, 4):
+            spec = generate_speculative(nat, drafter, prompt, 32, block_size=b, eos_ids=[])
             assert spec.tokens == ref and spec.cycles > 0
 
 

@@ -139,15 +139,50 @@ def test_search_past_the_first_drop_changes_the_output_distribution_and_ours_doe
     assert first_token_distribution(StaticPolicy(threshold=0.4).verify_length) == pytest.approx(P_T, abs=1e-12)
 
 
+def test_greedy_cost_policy_searches_the_whole_curve():
+    """Protects: at T=0 the cost policy takes the best k of the whole curve, past a first drop (the
+    first-drop rule would stop at 0 on the counterexample's confident block)."""
+    confident = Proposal(torch.tensor([0, 0]), None, torch.tensor([logit(C1), logit(C2[0])]))
+    assert CostPolicy(costs=COUNTER_COSTS).verify_length(confident) == 0
+    assert CostPolicy(costs=COUNTER_COSTS, greedy=True).verify_length(confident) == 2
+    # control: where the curve only falls, both stop at 0
+    doubtful = Proposal(torch.tensor([1, 0]), None, torch.tensor([logit(C1), logit(C2[1])]))
+    assert CostPolicy(costs=COUNTER_COSTS, greedy=True).verify_length(doubtful) == 0
+
+
+def test_cost_policy_skips_the_drafter_while_it_does_not_pay_probes_and_resumes():
+    """Protects: with a running acceptance too low to pay for the draft, cycles become plain decode
+    steps except for a probe every probe_every cycles; good outcomes bring drafting back."""
+    policy = CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]}, draft_s=0.2), block_size=3, probe_every=4)
+    assert policy.wants_draft()  # the uniform prior (0.5 per position) pays for the draft here
+    for _ in range(10):
+        policy.observe(proposal([0.5] * 3), verified=3, accepted=0)  # every first draft rejected
+    assert [policy.wants_draft() for _ in range(8)] == [False, False, False, True] * 2
+    assert policy.skipped == 6
+    for _ in range(30):
+        policy.observe(proposal([0.5] * 3), verified=3, accepted=3)
+    assert policy.wants_draft() and policy.wants_draft()
+    policy.start()  # a new generation forgets the estimate
+    assert policy.skipped == 0 and policy.acceptance.conditional(2) == [0.5, 0.5]
+    # lookup outcomes do not move the drafter's estimate; without a draft cost there is nothing to skip
+    policy.observe(proposal([0.5] * 3, "lookup"), verified=3, accepted=0)
+    assert policy.acceptance.judged == []
+    assert CostPolicy(costs=COSTS).wants_draft()
+
+
 # ----- lossless end to end -----
 
 
 def policies():
-    return {"static": StaticPolicy(threshold=0.6), "cost": CostPolicy(costs=COSTS)}
+    return {
+        "static": StaticPolicy(threshold=0.6),
+        "cost": CostPolicy(costs=COSTS),
+        "cost-greedy": CostPolicy(costs=COSTS, greedy=True),
+    }
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("mode", ["static", "cost"])
+@pytest.mark.parametrize("mode", ["static", "cost", "cost-greedy"])
 def test_scheduled_verification_keeps_greedy_output(family, mode, llama_target, qwen3_target):
     target = llama_target if family == "llama" else qwen3_target
     drafter = confident_drafter(target, block_size=4)
@@ -160,6 +195,21 @@ def test_scheduled_verification_keeps_greedy_output(family, mode, llama_target, 
             assert all(a <= v <= b for a, v in zip(spec.accepted, spec.verified))
             verified.update(spec.verified)
     assert len(verified) >= 2 and min(verified) < 4  # the policy really cut blocks, to several lengths
+
+
+def test_skipping_the_drafter_keeps_greedy_output(llama_target):
+    """Protects: cycles the cost policy runs without drafts (plain decode steps) keep the output token
+    for token the plain greedy output, interleaved with drafted cycles."""
+    drafter = confident_drafter(llama_target, block_size=4)
+    skipped = drafted = 0
+    for prompt in PROMPTS:
+        ref = generate_autoregressive(llama_target, prompt, 30, eos_ids=[])
+        policy = CostPolicy(costs=CostTable(COSTS.verify_s, draft_s=0.6), greedy=True, block_size=4, probe_every=3)
+        spec = generate_speculative(llama_target, drafter, prompt, 30, eos_ids=[], verify=policy)
+        assert spec.tokens == ref.tokens, prompt
+        skipped += spec.draft_skipped
+        drafted += spec.cycles - spec.draft_skipped
+    assert skipped > 0 and drafted > 0  # both kinds of cycle really ran
 
 
 @pytest.mark.slow
@@ -176,6 +226,21 @@ def test_scheduled_verification_preserves_target_distribution(mode):
 
     seen = assert_matches_target_distribution(run, target, [1, 2, 3, 4])
     assert seen["accepted_any"] > 50 and len(seen["verified"]) >= 2
+
+
+@pytest.mark.slow
+def test_skipping_the_drafter_preserves_target_distribution():
+    """Protects: at T=1 the skip decision (from earlier cycles' outcomes only) keeps the target's
+    distribution; both drafted and skipped cycles occur."""
+    target = soft_target()
+    drafter = confident_drafter(target, block_size=3, seed=4, scale=3.0)
+
+    def run(seed):
+        policy = CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]}, draft_s=0.25), block_size=3, probe_every=3)
+        return generate_speculative(target, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[], verify=policy)
+
+    seen = assert_matches_target_distribution(run, target, [1, 2, 3, 4])
+    assert seen["draft_skipped"] > 50 and seen["accepted_any"] > 50
 
 
 class PeekingPolicy(VerifyPolicy):
@@ -230,10 +295,18 @@ def test_policies_refuse_without_a_confidence_head_and_fall_back_to_raw_confiden
     assert make_policy("static", None, llama_target, lookup=True).name == "static"
 
 
-def test_cost_without_a_device_profile_says_how_to_make_one(llama_target, tmp_path, monkeypatch):
+def test_cost_without_a_device_profile_measures_a_quick_one(llama_target, tmp_path, monkeypatch):
+    """Protects: --verify cost no longer refuses to run before `dominospec profile`; it says in one
+    line that it measures a short table, stores it, and the next policy reuses it silently."""
     monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
-    with pytest.raises(DominoError, match="dominospec profile"):
-        make_policy("cost", confident_drafter(llama_target), llama_target)
+    said = []
+    drafter = confident_drafter(llama_target)
+    policy = make_policy("cost", drafter, llama_target, report=said.append)
+    assert policy.name == "cost" and any("measuring a quick one" in s for s in said)
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    said.clear()
+    again = make_policy("cost", drafter, llama_target, report=said.append)
+    assert not any("measuring" in s for s in said) and again.costs.verify_s == policy.costs.verify_s
 
 
 # ----- the benchmark runs them side by side -----

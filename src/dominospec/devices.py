@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -61,6 +62,34 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def physical_cores() -> int:
+    """Physical CPU cores this process may run on (hyperthread siblings counted once)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set(range(os.cpu_count() or 1))
+    cores = set()
+    try:
+        for cpu in allowed:
+            topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+    except OSError:
+        return max(1, len(allowed))
+    return max(1, len(cores))
+
+
+def default_threads() -> int:
+    """torch's CPU threads unless told otherwise: OMP_NUM_THREADS when set, else every physical core.
+
+    Decoding is memory-bound: a hyperthread sibling adds no bandwidth, and an oversubscribed core
+    stalls the whole forward (every matmul waits for its slowest thread).
+    """
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return physical_cores()
 
 
 def describe_device(dev: torch.device) -> str:

@@ -192,6 +192,7 @@ def build_methods(
     costs: CostTable | None = None,
     threshold: float = DEFAULT_THRESHOLD,
     lookup_min_match: int = HYBRID_MIN_MATCH,
+    greedy: bool = False,
 ) -> tuple[list[Method], list[str]]:
     """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
 
@@ -217,7 +218,9 @@ def build_methods(
         out = []
         for mode in verify:
             try:
-                policy = make_policy(mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append)
+                policy = make_policy(
+                    mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append, greedy=greedy
+                )
             except DominoError as exc:
                 notes.append(f"{name}-{mode}: skipped ({exc})")
                 continue

@@ -35,6 +35,7 @@ class PromptRun:
     block_size: int = 0  # drafts per cycle; 0 for methods without cycles
     verified: list[int] = field(default_factory=list)  # per cycle: drafts the target checked
     lookup_cycles: int = 0  # cycles whose drafts prompt lookup copied
+    draft_skipped: int = 0  # cycles the cost policy ran as a plain decode step (drafting did not pay)
 
     @property
     def new_tokens(self) -> int:
@@ -61,6 +62,7 @@ class PromptRun:
             block_size=res.block_size,
             verified=list(res.verified),
             lookup_cycles=res.lookup_cycles,
+            draft_skipped=getattr(res, "draft_skipped", 0),
         )
 
 
@@ -204,6 +206,7 @@ def summarize(
         "verified_per_cycle": sum(verified) / len(verified) if verified else None,
         "wasted_per_cycle": (sum(verified) - sum(accepted)) / len(verified) if verified else None,
         "lookup_cycle_share": sum(r.lookup_cycles for r in runs) / len(accepted) if accepted else None,
+        "draft_skipped_share": sum(r.draft_skipped for r in runs) / len(accepted) if accepted else None,
     }
     out.update(time_split(runs))
     if diff is not None:

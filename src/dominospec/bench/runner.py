@@ -220,6 +220,7 @@ def benchmark(
                     "committed": r.committed,
                     "verified": r.verified,
                     "lookup_cycles": r.lookup_cycles,
+                    "draft_skipped": r.draft_skipped,
                     "tokens": r.tokens,
                 }
             )

@@ -102,6 +102,7 @@ def cmd_bench(args) -> int:
         target,
         threshold=args.confidence_threshold,
         lookup_min_match=args.lookup_min_match,
+        greedy=sampling.greedy,
     )
     for n in notes:
         log(n)

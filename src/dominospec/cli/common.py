@@ -9,6 +9,7 @@ import torch
 
 from ..decode.lookup import HYBRID_MIN_MATCH
 from ..decode.schedule import DEFAULT_THRESHOLD
+from ..devices import default_threads
 from ..drafter import HEADS, Drafter, DrafterConfig, shipped_drafter_dir
 from ..errors import DominoError, flag
 from ..log import log, log_once
@@ -52,8 +53,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: OMP_NUM_THREADS or torch's choice; on a shared machine, "
-        "fewer threads than busy cores gives steadier timings)",
+        help="CPU threads for torch (default: OMP_NUM_THREADS, else every physical core; on a shared "
+        "machine, fewer threads than busy cores gives steadier timings)",
     )
 
 
@@ -168,10 +169,9 @@ def warn_if_reduced_precision(target) -> None:
 
 
 def target_from_args(args):
-    if args.threads is not None:
-        if args.threads < 1:
-            raise DominoError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise DominoError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads or default_threads())
     return Target.load(args.target, device=args.device, dtype=args.dtype, progress=log, backend=args.backend)
 
 
@@ -190,8 +190,10 @@ def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):
 LOOKUP = "lookup"  # --drafter lookup: prompt lookup alone, no trained drafter
 
 
-def add_verify_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    """--verify, --confidence-threshold, --lookup-min-match (the verify-length policy and the lookup proposer)."""
+def add_verify_args(p: argparse.ArgumentParser, several: bool = False, auto: bool = False) -> None:
+    """--verify, --confidence-threshold, --lookup-min-match (the verify-length policy and the lookup proposer).
+
+    auto: --verify also takes `auto` and defaults to it (cost where the proposer can be scheduled)."""
     if several:
         p.add_argument(
             "--verify",
@@ -204,12 +206,15 @@ def add_verify_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     else:
         p.add_argument(
             "--verify",
-            default="fixed",
-            choices=("fixed", "static", "cost"),
+            default="auto" if auto else "fixed",
+            choices=("auto", "fixed", "static", "cost") if auto else ("fixed", "static", "cost"),
             help="how many drafts to verify per cycle: fixed (all), static (stop before the first slot "
-            "whose calibrated confidence is under --confidence-threshold), cost (stop where the "
-            "expected tokens/s from the calibrated confidences and the device profile stops "
-            "rising); static and cost need a drafter with a confidence head (default %(default)s)",
+            "whose calibrated confidence is under --confidence-threshold), cost (verify, and draft at "
+            "all, only where the expected tokens/s from the confidences and the device profile rise; "
+            "the profile is measured on first use); static and cost need a drafter with a confidence "
+            "head or prompt lookup"
+            + ("; auto = cost where that holds, else fixed" if auto else "")
+            + " (default %(default)s)",
         )
     p.add_argument(
         "--confidence-threshold",

@@ -51,17 +51,23 @@ def cmd_generate(args) -> int:
                 drafter = None
         elif lookup_only:
             log("--block-size auto: prompt lookup has no acceptance table; using its default block size")
-    lookup = PromptLookup(min_match=args.lookup_min_match) if lookup_only or (args.lookup and drafter) else None
+    hybrid = drafter is not None and not args.no_lookup  # the default: drafter + prompt lookup
+    lookup = PromptLookup(min_match=args.lookup_min_match) if lookup_only or hybrid else None
+    verify = args.verify
+    if verify == "auto":  # cost wherever the proposer can be scheduled
+        schedulable = getattr(drafter, "confidence", None) is not None if drafter is not None else lookup is not None
+        verify = "cost" if schedulable else "fixed"
     policy = None
     if drafter is not None or lookup is not None:
         policy = make_policy(
-            args.verify,
+            verify,
             drafter,
             target,
             args.confidence_threshold,
             block_size=block_size,
             lookup=lookup is not None,
             report=log,
+            greedy=sampling.greedy,
         )
     prompt_ids, too_long = encode_if_fits(
         args.prompt, target.encode_raw if args.raw else target.encode_chat, target.max_positions, target.max_token_chars
@@ -97,23 +103,27 @@ def cmd_generate(args) -> int:
     text = target.decode(res.tokens)
     for note in res.notes:
         log(note)
-    if args.json:
-        print(json.dumps(res.to_dict(text)))
-        return 0
-    tau = f", tau {res.tau:.2f} over {res.cycles} cycles (block {res.block_size})" if res.cycles else ""
     mode = (
         ("plain" if lookup is None else "lookup")
         if drafter is None
         else ("hybrid" if lookup is not None else "speculative")
     )
+    configuration = mode if policy is None else f"{mode}, verify {verify}"
+    if args.json:
+        print(json.dumps({**res.to_dict(text), "configuration": configuration}))
+        return 0
+    tau = f", tau {res.tau:.2f} over {res.cycles} cycles (block {res.block_size})" if res.cycles else ""
+    skipped = f", {res.draft_skipped} cycles without drafting" if res.draft_skipped else ""
     print(
-        f"\n\n[{mode}] {res.new_tokens} tokens in {res.total_s:.2f}s = {res.tokens_per_s:.1f} tok/s{tau}",
+        f"\n\n[{configuration}] {res.new_tokens} tokens in {res.total_s:.2f}s = {res.tokens_per_s:.1f} tok/s"
+        + tau
+        + skipped,
         file=sys.stderr,
     )
     if res.cycles:
         print(
             f"[{mode}] draft {res.draft_s:.2f}s, verify {res.verify_s:.2f}s, prefill {res.prefill_s:.2f}s; "
-            f"accepted per position {res.accepted_per_position}; verify {args.verify}: "
+            f"accepted per position {res.accepted_per_position}; verify {verify}: "
             f"{res.verified_per_cycle:.2f} drafts verified, {res.wasted_per_cycle:.2f} rejected per cycle"
             + (f"; {res.lookup_cycles} lookup cycles" if lookup is not None else ""),
             file=sys.stderr,
@@ -126,7 +136,9 @@ def add_parser(sub) -> None:
         "generate",
         help="generate text with speculative decoding",
         description="Generate a reply to PROMPT (chat template applied) with Domino speculative "
-        "decoding; prints the text, tokens/s and tau.",
+        "decoding; prints the text, tokens/s, tau and the configuration that ran. Default: the drafter "
+        "with prompt lookup (hybrid), verify cost (drafts verified, and drafted at all, only where "
+        "they pay on this device).",
     )
     p.add_argument("prompt", help="the user message")
     add_target_args(p)
@@ -138,9 +150,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--lookup",
         action="store_true",
-        help="hybrid: copy the continuation from the prompt and the answer so far when the last "
-        "--lookup-min-match tokens occurred there, use the drafter otherwise",
+        help="hybrid (the default with a drafter): copy the continuation from the prompt and the answer so "
+        "far when the last --lookup-min-match tokens occurred there, use the drafter otherwise",
     )
+    p.add_argument("--no-lookup", action="store_true", help="the drafter alone, without prompt lookup")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
     p.add_argument(
         "--block-size",
@@ -152,6 +165,6 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    add_verify_args(p)
+    add_verify_args(p, auto=True)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

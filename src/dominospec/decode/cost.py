@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import shutil
 import statistics
 import time
 from collections.abc import Sequence
@@ -22,6 +24,7 @@ from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..drafter.model import DraftCache
 from ..errors import DominoError
 from ..io import cache_dir, write_json_atomic
+from ..log import log
 from ..sampling import SamplingConfig
 from .propose import draft_block
 
@@ -236,10 +239,82 @@ def save_profile(table: dict) -> Path:
     return path
 
 
+def _check_timings(path: Path, where: str, sizes, seconds) -> None:
+    if not isinstance(sizes, list) or not isinstance(seconds, list) or not sizes or len(sizes) != len(seconds):
+        raise DominoError(f"{path}: {where} needs equally long, non-empty size and seconds lists")
+    for s in seconds:
+        if not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+            raise DominoError(f"{path}: {where} has a timing of {s!r} seconds (each must be a finite number > 0)")
+
+
+def read_profile(path: Path) -> dict:
+    """A stored device profile, checked; a damaged one raises DominoError naming the file and the fault."""
+    if path.is_dir():
+        raise DominoError(f"{path}: the device profile is a directory, not a JSON file")
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise DominoError(f"{path}: the device profile is unreadable or truncated ({exc})") from None
+    if not isinstance(table, dict) or not isinstance(table.get("verify"), dict) or not table["verify"]:
+        raise DominoError(f"{path}: the device profile has no 'verify' table")
+    for c, row in table["verify"].items():
+        if not str(c).isdigit() or not isinstance(row, dict):
+            raise DominoError(f"{path}: verify entry {c!r} is not a context length with a table")
+        _check_timings(path, f"verify at context {c}", row.get("k"), row.get("seconds"))
+        if row["k"][0] != 1:
+            raise DominoError(f"{path}: verify at context {c} must start at k = 1 (one decode step)")
+    if "draft" in table:
+        d = table["draft"]
+        if not isinstance(d, dict):
+            raise DominoError(f"{path}: the 'draft' entry is not a table")
+        _check_timings(path, "draft", d.get("b"), d.get("seconds"))
+    return table
+
+
 def load_profile(target) -> dict | None:
-    """The stored profile for this target on this device, backend, dtype and thread count, if any."""
+    """The stored profile for this target on this device, backend, dtype and thread count; None if there is
+    none. A damaged file raises DominoError (see read_profile)."""
     path = profile_path(device_fingerprint(target))
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_profile(path) if path.exists() else None
+
+
+QUICK_CONTEXTS = (256, 1024)
+QUICK_REPEATS = 3
+
+
+def ensure_profile(target, drafter=None, max_k: int = 9, report=log, contexts: Sequence[int] = QUICK_CONTEXTS) -> dict:
+    """The device profile, measured now (a short one) when none is stored or the stored one is damaged.
+
+    A quick profile covers k = 1..max_k at `contexts` with QUICK_REPEATS repeats (a few seconds)
+    and, with a drafter, its draft cost; `dominospec profile` measures the full table. A stored
+    profile that lacks this drafter's draft cost gets it added.
+    """
+    path = profile_path(device_fingerprint(target))
+    table = None
+    try:
+        table = load_profile(target)
+    except DominoError as exc:
+        report(f"{exc}: measuring it again")
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    if table is None:
+        report(
+            f"no device profile for {target.name} ({getattr(target, 'backend', 'hf')}, {torch.get_num_threads()} "
+            "threads) yet: measuring a quick one (a few seconds; `dominospec profile` measures the full table)"
+        )
+        limit = target.max_positions
+        usable = [c for c in contexts if not limit or c + max_k <= limit] or [max(1, limit - max_k)]
+        table = profile_device(target, drafter, usable, max_k, QUICK_REPEATS, progress=False)
+        table["quick"] = True
+        save_profile(table)
+    elif drafter is not None and table.get("draft", {}).get("drafter") != profile_drafter_label(drafter):
+        usable = sorted(int(c) for c in table["verify"])
+        table["draft"] = profile_draft_cost(target, drafter, usable[0], QUICK_REPEATS)
+        table["draft"]["drafter"] = profile_drafter_label(drafter)
+        save_profile(table)
+    return table
 
 
 def expected_tokens(acceptance: Sequence[float], b: int) -> float:
@@ -284,12 +359,7 @@ def auto_block_size(target, drafter, context: int = 256) -> tuple[int, str]:
             f"--block-size auto: the drafter has no {ACCEPTANCE_NAME} (`train` writes one when it "
             f"validates, `bench --save-acceptance` from a live run); using its block size {own}",
         )
-    profile = load_profile(target)
-    if profile is None:
-        return own, (
-            "--block-size auto: no device profile for this target, backend, dtype and thread count "
-            f"(run `dominospec profile`); using the drafter's block size {own}"
-        )
+    profile = ensure_profile(target, drafter, max_k=own + 1)
     try:
         acceptance = [float(p) for p in json.loads(acc_path.read_text())["conditional"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -31,6 +31,7 @@ class GenerationResult:
     committed: list[int] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)
     lookup_cycles: int = 0  # cycles whose drafts were copied by prompt lookup
+    draft_skipped: int = 0  # cycles run as a plain decode step because drafting did not pay (cost policy)
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -75,6 +76,7 @@ class GenerationResult:
             "verified_per_cycle": self.verified_per_cycle,
             "wasted_per_cycle": self.wasted_per_cycle,
             "lookup_cycles": self.lookup_cycles,
+            "draft_skipped": self.draft_skipped,
             "draft_s": self.draft_s,
             "verify_s": self.verify_s,
             "prefill_s": self.prefill_s,

@@ -7,13 +7,18 @@ then runs the target over [anchor, d_1..d_k] (k+1 positions). Three policies:
   static  stop before the first slot whose calibrated confidence is below a threshold
   cost    DSpark's Algorithm 1 at batch 1: walk k = 1, 2, ... while the expected committed tokens
           per second, (1 + sum_{j<=k} a_j) / (draft + verify(k+1)), keeps rising; stop at its
-          first drop. a_j = prod_{i<=j} c_i are the calibrated survival products.
+          first drop. a_j = prod_{i<=j} c_i are the calibrated survival products. Greedy decoding
+          takes the best k of the whole curve instead (see below). Before drafting, cost also
+          asks whether drafting pays at all (`wants_draft`, from the acceptance of earlier cycles):
+          when it does not, the cycle is one plain decode step, with a probe now and then.
 
 Why they are lossless: slot k's confidence c_k reads z_k and the token before slot k, so both
 rules decide about slot k from the drafts before it only. Whether d_k itself is right can never
 move the cut (the rejection sampler's guarantee needs exactly that). A search that looked past
 the first drop would let c_{k+1}, which reads d_k, decide whether d_k is verified; tests/test_schedule.py
-shows on DSpark's counterexample that this changes the output distribution.
+shows on DSpark's counterexample that this changes the output distribution. At T=0 the output is
+the target's argmax whatever is verified, so greedy decoding may search the whole curve. Skipping
+the drafter is decided from earlier cycles only, so it is lossless when sampling too.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch
 from ..drafter.checkpoint import CALIBRATION_NAME, sidecar_path
 from ..errors import DominoError
 from ..log import log_once
-from .cost import load_profile, profile_drafter_label
+from .cost import ensure_profile, load_profile, profile_drafter_label
+from .lookup import LOOKUP_BLOCK_SIZE
 from .propose import Proposal
 
 VERIFY_MODES = ("fixed", "static", "cost")
@@ -81,6 +87,16 @@ class VerifyPolicy:
         """How many of the proposal's drafts to verify; `context` = committed tokens before the anchor."""
         return len(proposal)
 
+    def start(self) -> None:
+        """A new generation begins (policies with running estimates forget them)."""
+
+    def wants_draft(self, context: int = 0) -> bool:
+        """Asked before the drafter runs: False makes this cycle a plain decode step (no drafts)."""
+        return True
+
+    def observe(self, proposal: Proposal, verified: int, accepted: int) -> None:
+        """The outcome of a cycle whose drafts came from the drafter."""
+
     def describe(self) -> dict:
         return {"verify": self.name}
 
@@ -119,22 +135,65 @@ class StaticPolicy(ConfidencePolicy):
         return {"verify": self.name, "confidence_threshold": self.threshold, "calibration": self.note}
 
 
+class RunningAcceptance:
+    """P(draft k accepted | drafts < k were), per block position, from recent drafter cycles.
+
+    Counts decay by `decay` per observed cycle (a window of about 1 / (1 - decay) cycles), with a
+    uniform prior, as the lookup proposer's running acceptance; a position never judged reads 0.5.
+    """
+
+    def __init__(self, decay: float = 0.95):
+        self.decay = decay
+        self.judged: list[float] = []
+        self.passed: list[float] = []
+
+    def record(self, verified: int, accepted: int) -> None:
+        self.judged = [j * self.decay for j in self.judged]
+        self.passed = [p * self.decay for p in self.passed]
+        while len(self.judged) < verified:
+            self.judged.append(0.0)
+            self.passed.append(0.0)
+        for k in range(min(verified, accepted + 1)):  # positions up to the first rejection were judged
+            self.judged[k] += 1.0
+            self.passed[k] += float(k < accepted)
+
+    def conditional(self, b: int) -> list[float]:
+        out = []
+        for k in range(b):
+            judged = self.judged[k] if k < len(self.judged) else 0.0
+            passed = self.passed[k] if k < len(self.passed) else 0.0
+            out.append((passed + 1.0) / (judged + 2.0))
+        return out
+
+
 @dataclass
 class CostPolicy(ConfidencePolicy):
     costs: CostTable = field(default_factory=lambda: CostTable({0: [1.0]}))
+    greedy: bool = False  # T=0: every verify length is lossless, so take the best k of the whole curve
+    block_size: int = 8  # drafts a drafter cycle proposes (for the skip decision)
+    probe_every: int = 16  # while skipping, draft once every this many cycles to refresh the estimate
     name = "cost"
 
-    def rates(self, survival: Sequence[float], context: int = 0) -> list[float]:
+    def __post_init__(self):
+        self.start()
+
+    def start(self) -> None:
+        self.acceptance = RunningAcceptance()
+        self.skipped_in_a_row = 0
+        self.skipped = 0
+
+    def rates(self, survival: Sequence[float], context: int = 0, draft_s: float | None = None) -> list[float]:
         """Expected committed tokens per second when verifying k = 0, 1, ... drafts (while the table reaches).
 
         survival[j-1] = a_j = P(drafts 1..j all accepted); rate_k = (1 + sum_{j<=k} a_j) / (draft + verify(k+1)).
         """
         verify = self.costs.verify_seconds(context)
+        draft = self.costs.draft_s if draft_s is None else draft_s
         out, tau = [], 1.0
         for k in range(0, min(len(survival), len(verify) - 1) + 1):
             if k:
                 tau += survival[k - 1]
-            out.append(tau / (self.costs.draft_s + verify[k]))
+            out.append(tau / (draft + verify[k]))
         return out
 
     def verify_length(self, proposal: Proposal, context: int = 0) -> int:
@@ -142,10 +201,34 @@ class CostPolicy(ConfidencePolicy):
         if c is None:
             return len(proposal)
         rates = self.rates(torch.cumprod(c, 0).tolist(), context)
+        if self.greedy:  # lossless at T=0 whatever k is: the best of the whole curve
+            return max(range(len(rates)), key=lambda k: (rates[k], -k))
         k = 0
         while k + 1 < len(rates) and rates[k + 1] > rates[k]:  # stop at the first drop: see the module doc
             k += 1
         return k
+
+    def drafting_pays(self, context: int = 0) -> bool:
+        """Whether a drafter cycle, at the running acceptance, beats one plain decode step."""
+        survival, a = [], 1.0
+        for p in self.acceptance.conditional(self.block_size):
+            a *= p
+            survival.append(a)
+        with_draft = self.rates(survival, context)
+        plain = 1.0 / self.costs.verify_seconds(context)[0]
+        return max(with_draft[1:], default=0.0) > plain
+
+    def wants_draft(self, context: int = 0) -> bool:
+        if self.costs.draft_s <= 0 or self.drafting_pays(context) or self.skipped_in_a_row + 1 >= self.probe_every:
+            self.skipped_in_a_row = 0
+            return True
+        self.skipped_in_a_row += 1
+        self.skipped += 1
+        return False
+
+    def observe(self, proposal: Proposal, verified: int, accepted: int) -> None:
+        if proposal.source == "drafter":
+            self.acceptance.record(verified, accepted)
 
     def describe(self) -> dict:
         return {
@@ -153,6 +236,7 @@ class CostPolicy(ConfidencePolicy):
             "calibration": self.note,
             "draft_s": self.costs.draft_s,
             "profiled_contexts": sorted(self.costs.verify_s),
+            "search": "whole curve (greedy)" if self.greedy else "first drop",
         }
 
 
@@ -185,13 +269,15 @@ def make_policy(
     block_size: int | None = None,
     lookup: bool = False,
     report=log_once,
+    greedy: bool = False,
 ) -> VerifyPolicy:
     """The verify-length policy for `--verify MODE`.
 
     static and cost read the drafter's confidence head (a drafter without one is refused) or, for prompt
     lookup alone (drafter None, lookup True), the lookup's running acceptance. cost also needs the
-    device's cost table (`costs`, or the stored `dominospec profile` of `target`). Without calibration.json
-    the raw confidences are used, and `report` says so (once per process by default).
+    device's cost table (`costs`, or the stored profile of `target`, measured now when missing).
+    Without calibration.json the raw confidences are used, and `report` says so (once per process by
+    default). greedy (T=0): the cost policy searches the whole expected-tokens/s curve.
     """
     if mode not in VERIFY_MODES:
         raise DominoError(f"--verify {mode!r}: choose from {', '.join(VERIFY_MODES)}")
@@ -213,21 +299,19 @@ def make_policy(
     if mode == "static":
         return StaticPolicy(temps, note, threshold=threshold)
     if costs is None:
-        profile = load_profile(target) if target is not None else None
-        if profile is None:
-            raise DominoError(
-                "--verify cost needs this device's cost table: run `dominospec profile` first (it is "
-                "stored per device, backend, dtype and thread count)"
-            )
+        if target is None:
+            raise DominoError("--verify cost needs the target, to read or measure this device's cost table")
+        widest_b = block_size or (drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
+        profile = ensure_profile(target, drafter, max_k=widest_b + 1, report=report)
         costs = CostTable.from_profile(profile, drafter, block_size)
         widest = max(len(v) for v in costs.verify_s.values())
-        b = block_size or (drafter.config.block_size if drafter is not None else widest)
-        if widest < b + 1:
+        if widest < widest_b + 1:
             report(
                 f"--verify cost: the device profile reaches {widest} new tokens, so at most {widest - 1} drafts "
-                f"are verified per cycle (rerun `dominospec profile --max-k {b + 1}`)"
+                f"are verified per cycle (rerun `dominospec profile --max-k {widest_b + 1}`)"
             )
-    return CostPolicy(temps, note, costs=costs)
+    b = block_size or (drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
+    return CostPolicy(temps, note, costs=costs, greedy=greedy, block_size=b)
 
 
 # ----- over a whole batch: one verify budget for every running sequence -----

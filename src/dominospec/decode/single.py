@@ -24,7 +24,7 @@ from ..sampling import SamplingConfig
 from ..target.context import cap_new_tokens
 from .lookup import PromptLookup
 from .propose import Proposal, draft_block
-from .proposers import make_proposer
+from .proposers import HybridProposer, make_proposer
 from .result import GenerationResult
 from .schedule import VerifyPolicy
 from .step import SeqState, accept, block_tokens, commit, first_token, make_generator, rollback_length, start
@@ -126,6 +126,7 @@ def generate_speculative(
     )
     b = proposer.block_size
     verify = verify or VerifyPolicy()
+    verify.start()
     ids = _check_prompt(prompt_ids, max_new_tokens).to(dev)
     eos = set(target.eos_ids if eos_ids is None else eos_ids)
     res = GenerationResult(tokens=[], prompt_len=ids.shape[1], block_size=b)
@@ -150,7 +151,16 @@ def generate_speculative(
         before = seq.committed_len  # the anchor is the last committed token
         t1 = time.perf_counter()
         # the verify block takes positions before-1 .. before-1+drafts: keep it in the context
-        proposal = proposer.propose([seq], [seq.room(b, limit)])[0]
+        room = seq.room(b, limit)
+        if drafter is None or verify.wants_draft(before - 1):  # earlier cycles only: lossless when sampling
+            proposal = proposer.propose([seq], [room])[0]
+        else:  # drafting does not pay now: the cycle is one plain decode step (a hybrid still copies)
+            proposal = None
+            if isinstance(proposer, HybridProposer):
+                copy, matched = proposer.lookup.matches([seq], [room])[0]
+                proposal = copy if copy is not None and matched >= lookup.min_match else None
+            if proposal is None:
+                res.draft_skipped += 1
         # k drafts verified: decided from the drafts and confidences only, never from the target's verdict
         k = verify.verify_length(proposal, before - 1) if proposal is not None else 0
         synchronize(dev)
@@ -168,8 +178,10 @@ def generate_speculative(
         res.draft_s += (t2 - t1) + (time.perf_counter() - t3)
         res.verify_s += t3 - t2
         new = commit(seq, proposal, k, n, nxt)
-        if on_cycle and proposal is not None:
-            on_cycle(proposal, k, n)
+        if proposal is not None:
+            verify.observe(proposal, k, n)
+            if on_cycle:
+                on_cycle(proposal, k, n)
         if on_tokens:
             on_tokens(new)
     synchronize(dev)

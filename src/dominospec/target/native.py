@@ -6,7 +6,7 @@ forward in the gpt-fast spirit: a config dataclass, plain modules, one prealloca
 rolls back by setting a length, fused q/k/v and gate/up projections and (CPU fp32) pre-packed
 weights. It is built from an already loaded HF model and shares its weight tensors (embedding,
 norms, o/down projections, tied LM head); new tensors are the fused q/k/v and gate/up weights and,
-on CPU fp32, the packed/transposed kernel copies (see `Linear`; ~0.9 GB for SmolLM2-135M).
+on CPU fp32, the packed kernel panels that replace every W (see `Linear`; ~0.54 GB for SmolLM2-135M).
 Build it on the device and dtype you run on: the packed copies do not follow `.to()`.
 
 Shapes: B batch, S new tokens per row, T keys attended, H hidden, D head dim, Hq/Hkv heads, V vocab.
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .kernels import PackedLinear, load_kernels
 
 NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -94,20 +96,29 @@ def _packing_available() -> bool:
 class Linear(nn.Module):
     """y = x @ W^T + b with the CPU fp32 kernel that measured fastest per row count.
 
-    M >= 2 rows (verify/prefill): oneDNN with W reordered once into its blocked layout (no per-call
-    re-packing; 1.3-2x faster than F.linear here). M = 1 (decode, memory-bound): MKL against a
-    pre-transposed [in, out] copy when out > in (qkv, gate/up, LM head: up to 1.7x faster than
-    F.linear), else F.linear on the shared weight. CUDA or non-fp32: plain F.linear.
-    Memory on CPU fp32: one packed copy of W, plus the transposed copy when out > in; a fused W
-    (qkv, gate/up) is not kept once both exist.
+    CPU fp32 with the small-M kernel built (kernels.py; DOMINOSPEC_KERNELS=off disables it): W is
+    packed once into the kernel's panels, which serve every row count; nothing else is kept for a
+    fused W. Measured on an AMD EPYC (Zen 4, AVX-512), 1 thread, all matmuls of SmolLM2-135M
+    (scripts/bench_kernels.py): 20.5 ms at M = 1 (today's GEMV path 30.1), 25.7 at M = 8 (oneDNN
+    packed 38.2), level with oneDNN from M = 17 up to prefill sizes. The kernel's rows do not
+    depend on each other, so a token's logits are the same bits in a decode step and in a verify.
+    Without the kernel, M >= 2 rows: oneDNN with W reordered once into its blocked layout; M = 1:
+    MKL against a pre-transposed [in, out] copy when out > in, else F.linear on the shared weight.
+    CUDA or non-fp32: plain F.linear.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias  # [out, in], [out]; shared with HF when not fused
         self.out_features, in_features = weight.shape
-        self.packed = self.weight_t = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and _packing_available():
+        self.packed = self.weight_t = self.kernel = None
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return
+        module = load_kernels()
+        if module is not None:
+            self.kernel = PackedLinear(module, weight, bias)
+            self.weight = None  # the panels serve every row count (frees a fused copy)
+        elif _packing_available():
             self.onednn = torch.ops.mkldnn._linear_pointwise.default  # the overload: ~10 us/call less
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # oneDNN blocked
@@ -116,6 +127,8 @@ class Linear(nn.Module):
                     self.weight = None  # not needed any more (frees the fused copy)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)  # [..., out]
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if x.numel() != x.shape[-1]:  # M >= 2 rows; oneDNN takes [..., in] directly
@@ -305,11 +318,16 @@ class Block(nn.Module):
         c = self.cfg
         B, S, _ = x.shape
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        fused = self.down.kernel is not None  # the kernel extension also fuses RoPE and SiLU-mul
         qkv = self.qkv(rms_norm(x, self.attn_norm, self.eps)).view(B, S, Hq + 2 * Hkv, D)  # heads q|k|v
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]  # q and k heads side by side; [B, S, Hkv, D]
         if self.qk_norm is not None:
             qk = rms_norm(qk, None, self.eps) * self.qk_norm  # [B, S, Hq+Hkv, D]
-        qk = ctx.rope.apply(qk, ctx.cos, ctx.sin)  # one RoPE for q and k together
+        if fused:  # one call: rotate q and k heads, reading them in place from qkv
+            cos, sin = ctx.cos.reshape(-1, S, D), ctx.sin.reshape(-1, S, D)  # [B or 1, S, D]
+            qk = self.down.kernel.module.rope(qk, cos.contiguous(), sin.contiguous(), Hq + Hkv)
+        else:
+            qk = ctx.rope.apply(qk, ctx.cos, ctx.sin)  # one RoPE for q and k together
         q, k = qk[:, :, :Hq], qk[:, :, Hq:]  # [B, S, Hq, D], [B, S, Hkv, D]
         kc, vc = cache.k[layer], cache.v[layer]  # [B, Hkv, max_len, D]
         for rows, p in ctx.writes:  # padding columns land past the row's length: never read
@@ -324,7 +342,10 @@ class Block(nn.Module):
             )  # [B, Hq, S, D]
             out = out.transpose(1, 2)
         h = x + self.o(out.reshape(B, S, Hq * D))  # out-of-place: x may be a returned feature
-        gate, up = self.gate_up(rms_norm(h, self.mlp_norm, self.eps)).chunk(2, dim=-1)  # [B, S, I] x2
+        gate_up = self.gate_up(rms_norm(h, self.mlp_norm, self.eps))  # [B, S, 2I]
+        if fused:
+            return h + self.down.kernel.after_silu_mul(gate_up)  # [B, S, H]
+        gate, up = gate_up.chunk(2, dim=-1)  # [B, S, I] x2
         return h + self.down(F.silu(gate) * up)  # [B, S, H]
 
 

@@ -1,0 +1,94 @@
+"""A/B of the matrix products of one SmolLM2-135M forward at M = 1..17 rows, per kernel path.
+
+Random weights of the model's shapes (30 layers of qkv 576->960, o 576->576, gate/up 576->3072,
+down 1536->576, and the LM head 576->49152; ~538 MB fp32). Candidates are interleaved in one
+process (each repeat runs every path at every M), and the median per (path, M) is reported in ms.
+Run pinned: `taskset -c 1 python scripts/bench_kernels.py --threads 1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from dominospec.devices import cpu_model
+from dominospec.target.kernels import PackedLinear, load_kernels
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-m", type=int, default=17)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this thread's CPU time (1 thread only): time descheduled on a shared machine is not counted",
+    )
+    args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures one thread; use --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    module = load_kernels()
+    weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
+    kernel = [PackedLinear(module, w, None) for w in weights]
+    onednn_w = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    onednn = torch.ops.mkldnn._linear_pointwise.default
+    transposed = [w.t().contiguous() if w.shape[0] > w.shape[1] else None for w in weights]
+
+    def run_kernel(xs):
+        for f, x in zip(kernel, xs):
+            f(x)
+
+    def run_onednn(xs):
+        for p, x in zip(onednn_w, xs):
+            onednn(x, p, None, "none", [], "")
+
+    def run_m1(xs):  # today's single-row path: MKL GEMV on a transposed copy, else F.linear
+        for w, wt, x in zip(weights, transposed, xs):
+            torch.matmul(x, wt) if wt is not None else F.linear(x, w)
+
+    def run_flinear(xs):
+        for w, x in zip(weights, xs):
+            F.linear(x, w)
+
+    paths = {"kernel": run_kernel, "onednn": run_onednn, "m1_path": run_m1, "F.linear": run_flinear}
+    ms = list(range(1, args.max_m + 1))
+    inputs = {m: [torch.randn(m, k) for _, k in SHAPES] for m in ms}
+    times = {(p, m): [] for p in paths for m in ms}
+    with torch.inference_mode():
+        for f in paths.values():  # warm-up
+            f(inputs[1])
+        for _ in range(args.repeats):
+            for m in ms:
+                for p, f in paths.items():
+                    t0 = clock()
+                    f(inputs[m])
+                    times[(p, m)].append(clock() - t0)
+    med = {key: 1000 * statistics.median(v) for key, v in times.items()}
+    print(
+        f"# {cpu_model()}, {args.threads} thread(s), {args.clock} clock, median of {args.repeats}, "
+        f"ms for all {len(SHAPES)} matmuls"
+    )
+    print("| M | " + " | ".join(paths) + " |")
+    print("|---:|" + "---:|" * len(paths))
+    for m in ms:
+        print(f"| {m} | " + " | ".join(f"{med[(p, m)]:.1f}" for p in paths) + " |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({f"{p}@{m}": v for (p, m), v in med.items()}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

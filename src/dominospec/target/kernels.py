@@ -1,0 +1,137 @@
+"""The small-M fp32 linear kernel (small_m_linear.cpp): built once per machine, loaded at first use.
+
+Why: decode multiplies 1 row and verify 2-17 rows by every weight of the model. Library GEMMs
+either stream the weights slower for 2+ rows than a GEMV does for one, or re-pack W on every call;
+this kernel packs W once into panels and streams it once for all rows (see the .cpp file), so a
+verify pass of a few rows costs about what a decode step costs.
+
+The extension is compiled with torch.utils.cpp_extension (-O3 -march=native) into
+<cache>/kernels/<key>, the key covering the source, torch's version and the CPU's flags, and a
+later process imports the built library directly. Without a compiler (or with
+DOMINOSPEC_KERNELS=off) `load_kernels()` returns None and `Linear` keeps its library paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..io import cache_dir
+from ..log import log, log_once
+
+SOURCE = Path(__file__).with_name("small_m_linear.cpp")
+ENV_SWITCH = "DOMINOSPEC_KERNELS"  # "off": today's library paths only (for A/B runs)
+
+_loaded: dict[str, object] = {}  # "module" -> the extension, or None once a build was refused/failed
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "on").strip().lower() not in ("off", "0", "false", "no")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    """What a built kernel is valid for: its source, this torch, this CPU's instruction sets."""
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), platform.machine().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def kernel_dir() -> Path:
+    return cache_dir() / "kernels" / f"small_m_linear_{build_key()}"
+
+
+def _import_built(name: str, directory: Path):
+    so = next(iter(sorted(directory.glob(f"{name}*.so"))), None)
+    if so is None:
+        return None
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, directory: Path):
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+    t0 = time.perf_counter()
+    log(f"building the small-M linear kernel into {directory} (once per machine and torch version)")
+    module = cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        build_directory=str(directory),
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+    log(f"kernel built in {time.perf_counter() - t0:.1f} s")
+    return module
+
+
+def load_kernels():
+    """The compiled extension (module with pack/linear/panel_width), or None where it cannot be had."""
+    if "module" in _loaded:
+        return _loaded["module"]
+    module = None
+    if not kernels_enabled():
+        pass
+    elif platform.system() != "Linux" or shutil.which(os.environ.get("CXX", "c++")) is None:
+        log_once("no C++ compiler found (or not Linux): the small-M linear kernel is off; library GEMMs are used")
+    else:
+        directory = kernel_dir()
+        name = f"dominospec_small_m_{build_key()}"
+        try:
+            module = _import_built(name, directory) or _build(name, directory)
+        except Exception as exc:  # a broken toolchain must not stop decoding: fall back to the library paths
+            log_once(f"the small-M linear kernel did not build ({type(exc).__name__}: {exc}); library GEMMs are used")
+            module = None
+    _loaded["module"] = module
+    return module
+
+
+def reset_kernels() -> None:
+    """Forget the loaded extension (tests switch DOMINOSPEC_KERNELS within one process)."""
+    _loaded.clear()
+
+
+class PackedLinear:
+    """W packed into the kernel's panels once; y = x @ W^T + b for x [..., K] with few rows."""
+
+    def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.module = module
+        self.out_features = weight.shape[0]
+        self.panels = module.pack(weight.detach().contiguous())  # [ceil(N / NR), K, NR]
+        self.bias = None if bias is None else bias.detach().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        y = self.module.linear(rows, self.panels, self.bias, self.out_features)  # [M, N]
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def after_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """linear(silu(gate) * up) for gate_up [..., 2I] = [gate | up], the activation fused in."""
+        rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+        y = self.module.linear_silu_mul(rows, self.panels, self.bias, self.out_features)  # [M, N]
+        return y.view(*gate_up.shape[:-1], self.out_features)
