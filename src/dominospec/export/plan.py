@@ -152,6 +152,13 @@ def plan_export(c: DrafterConfig, fmt: str, mask_token_id: int | None = None, al
     else:
         proposals = c.block_size
         notes.append(f"DSpark with sample_from_anchor proposes all {proposals} slots")
+        if fmt == "sglang" and not confidence:
+            # sglang 0.5.23 models/dspark.py L487-507, L687-696: outside static mode the confidence head is
+            # built whatever enable_confidence_head says, and missing tensors raise
+            notes.append(
+                "serve in SGLang's default static verify mode (SGLANG_RAGGED_VERIFY_MODE=static): other modes "
+                "build a confidence head and refuse an export without one"
+            )
     if c.head == "none":
         notes.append(f"head none exported as {kind} with an all-zero correction")
     if fmt == "specforge" and kind == "dspark":
