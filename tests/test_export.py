@@ -654,3 +654,15 @@ def test_shipped_drafter_exports_to_sglang_approximately_and_says_why(tmp_path):
     assert rep["status"] == "approximate" and rep["proposals_per_block"] == 7
     text = " ".join(rep["approximations"])
     assert "widened" in text and "confidence head dropped" in text and "row 3" in text
+
+
+def test_dspark_form_confidence_head_reads_z_alone_and_round_trips(target, tmp_path):
+    drafter = make_drafter(target, head="markov", confidence=True, confidence_inputs="z")
+    assert drafter.confidence.proj.weight.shape == (1, 32)
+    z, e = torch.randn(2, 4, 32, dtype=torch.float64), torch.randn(2, 4, 32, dtype=torch.float64)
+    assert torch.equal(drafter.confidence(z, e), drafter.confidence(z, torch.zeros_like(e)))
+    drafter.save_pretrained(tmp_path / "d")
+    again = Drafter.from_pretrained(tmp_path / "d")
+    assert again.config.confidence_inputs == "z"
+    with pytest.raises(DominoError, match="confidence_inputs"):
+        DrafterConfig.for_target(target, confidence_inputs="z_markov")

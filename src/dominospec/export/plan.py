@@ -16,9 +16,8 @@ from .contracts import FORMATS, MARKOV_TYPES
 ENGINES = ("sglang", "vllm")  # --serve-with
 
 MASK_HOWTO = (
-    "choose an id the target never or rarely emits, e.g. one of its reserved special tokens (list them with "
-    "tokenizer.all_special_tokens / all_special_ids; avoid the end-of-turn and end-of-text tokens), and pass "
-    "it as --mask-token-id N"
+    "choose a token the target's chat never produces, e.g. an added or reserved one listed by "
+    "tokenizer.added_tokens_decoder (not its end-of-text or end-of-turn token; for smollm2-135m, 16 <empty_output>)"
 )
 
 
@@ -89,8 +88,7 @@ def plan_export(c: DrafterConfig, fmt: str, mask_token_id: int | None = None, al
     elif mask_token_id is None:
         raise DominoError(
             "the drafter uses a learned mask vector (mask_token_id null) and the engines need a real token id: "
-            "pass --mask-token-id N (" + MASK_HOWTO + "); "
-            "a drafter trained with --serve-with has a real id and exports without this"
+            "pass --mask-token-id N: " + MASK_HOWTO + " (a drafter trained with --serve-with exports without it)"
         )
     elif kind == "dspark":
         raise DominoError(
@@ -113,11 +111,11 @@ def plan_export(c: DrafterConfig, fmt: str, mask_token_id: int | None = None, al
                 f"draft vocabulary of {c.draft_vocab_size} kept exactly (lm_head rows and d2t, ids sorted ascending)"
             )
         elif not allow_approx:
+            via_vllm = "export --to vllm (exact via d2t), " if kind == "dspark" and c.head != "rnn" else ""
             raise DominoError(
-                f"--to {fmt}: the drafter scores a draft vocabulary of {c.draft_vocab_size} tokens and SGLang has "
+                f"--to {fmt}: the drafter scores a draft vocabulary of {c.draft_vocab_size} tokens and {fmt} has "
                 f"none (its head matrices span all {c.vocab_size}); pass --allow-approx to widen it (drafts may "
-                "then leave the draft vocabulary), export --to vllm (exact via d2t), or retrain with "
-                "--serve-with sglang"
+                f"then leave the draft vocabulary), {via_vllm}or retrain with --serve-with sglang"
             )
         else:
             widen = True
@@ -189,8 +187,8 @@ def arch_for_engine(
         )
     if mask_token_id is None:
         raise DominoError(
-            f"--serve-with {engine} needs a real mask token (engines have no learned mask vector for DSpark, and "
-            "SGLang overwrites a target embedding row for Domino): " + MASK_HOWTO
+            f"--serve-with {engine} needs a real mask token, --mask-token-id N (no DSpark loader reads a learned "
+            "mask vector, and SGLang writes Domino's into a row of the target's embedding table): " + MASK_HOWTO
         )
     if engine == "sglang" and draft_vocab:
         raise DominoError(
