@@ -29,6 +29,7 @@ from dominospec import Drafter, DrafterConfig
 from dominospec.errors import DominoError
 from dominospec.export import arch_for_engine, export_drafter, plan_export
 from dominospec.export.contracts import CONFIG_READS, MASK_FILE, REPORT_FILE, resolve, speculators_update_dspark
+from dominospec.export.plan import why_not_exact
 
 MASK_ID = 5  # a real mask token id for the tiny vocabulary of 64
 
@@ -666,3 +667,11 @@ def test_dspark_form_confidence_head_reads_z_alone_and_round_trips(target, tmp_p
     assert again.config.confidence_inputs == "z"
     with pytest.raises(DominoError, match="confidence_inputs"):
         DrafterConfig.for_target(target, confidence_inputs="z_markov")
+
+
+def test_why_not_exact_names_the_first_obstacle(target):
+    shipped_like = DrafterConfig.for_target(target, draft_vocab_size=40, confidence_head=True, mask_token_id=None)
+    assert "--mask-token-id" in why_not_exact(shipped_like, "sglang")
+    assert "no Domino head" in why_not_exact(shipped_like, "vllm")
+    served = DrafterConfig.for_target(target, **arch_for_engine("vllm", None, MASK_ID, True), confidence_head=True)
+    assert why_not_exact(served, "vllm") is None

@@ -7,7 +7,7 @@ import torch
 from ..data.dataset import load_dataset_dir
 from ..drafter import Drafter
 from ..errors import DominoError
-from ..export import plan_export
+from ..export.plan import why_not_exact
 from ..io import ensure_writable_dir
 from ..log import log
 from ..train.distributed import init_distributed
@@ -71,12 +71,9 @@ def cmd_train(args) -> int:
         raise DominoError("--init-from-layer starts a fresh drafter; it cannot be combined with --init")
     if args.init:
         drafter = Drafter.from_pretrained(args.init, target=target)
-        if args.serve_with:  # the drafter's own choices must export exactly
-            plan = plan_export(drafter.config, args.serve_with)
-            if plan.approximations:
-                raise DominoError(
-                    f"--init {args.init} does not export exactly to {args.serve_with}: {plan.approximations[0]}"
-                )
+        reason = why_not_exact(drafter.config, args.serve_with) if args.serve_with else None
+        if reason:  # --serve-with cannot change a drafter that already exists
+            raise DominoError(f"--init {args.init} does not export exactly to {args.serve_with}: {reason}")
     else:
         drafter = fresh_drafter(target, samples, arch_from_args(args, target), args.draft_vocab, args.seed)
         if args.init_from_layer is not None:

@@ -137,9 +137,10 @@ def dspark_head_tensors(drafter: Drafter, plan: Plan, target) -> tuple[dict[str,
     if plan.reduced_vocab:
         # engines index the draft vocabulary in ascending target-id order (speculators' convention)
         perm = torch.argsort(drafter.draft_vocab)
-        ids = drafter.draft_vocab[perm]
+        ids = drafter.draft_vocab[perm].cpu()
         w2, w2_from = w2[perm], w2_from + " rows in ascending draft-vocabulary order"
-        lm = target.output_embeddings().weight.detach()[ids.to(target.device)].cpu()
+        head_rows = target.output_embeddings().weight.detach()
+        lm = head_rows[ids.to(head_rows.device)].cpu()
         out["lm_head.weight"] = (lm, "target LM head rows at draft_vocab (ascending)")
         out["d2t"] = ((ids - torch.arange(ids.numel())).to(torch.int64), "draft_vocab - arange(Vd) (ascending)")
     elif plan.widen_vocab:

@@ -169,6 +169,15 @@ def plan_export(c: DrafterConfig, fmt: str, mask_token_id: int | None = None, al
     return Plan(fmt, kind, mask, mask_file, reduced, widen, confidence, proposals, approximations, notes)
 
 
+def why_not_exact(c: DrafterConfig, engine: str) -> str | None:
+    """None when `c` exports exactly to `engine`; else the first reason it does not (a refusal or an approximation)."""
+    try:
+        plan = plan_export(c, engine)
+    except DominoError as exc:
+        return str(exc)
+    return plan.approximations[0] if plan.approximations else None
+
+
 def arch_for_engine(
     engine: str, head: str | None, mask_token_id: int | None, confidence_head: bool, draft_vocab: int = 0
 ) -> dict:
