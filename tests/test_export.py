@@ -282,6 +282,7 @@ EXACT_CASES = [
     ("sglang", dict(head="markov", confidence=True)),
     ("sglang", dict(head="rnn")),
     ("sglang", dict(head="none")),
+    ("sglang", dict(head="none", mask_token_id=None)),  # Domino with a zero correction (reads the .pt)
     ("vllm", dict(head="markov", draft_vocab=40, confidence=True)),
     ("vllm", dict(head="markov")),
     ("vllm", dict(head="none", draft_vocab=40)),
