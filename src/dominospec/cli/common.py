@@ -12,6 +12,7 @@ from ..decode.schedule import DEFAULT_THRESHOLD
 from ..devices import default_threads
 from ..drafter import HEADS, Drafter, DrafterConfig, shipped_drafter_dir
 from ..errors import DominoError, flag
+from ..export import ENGINES, arch_for_engine
 from ..log import log, log_once
 from ..sampling import SamplingConfig, check_sampling
 from ..target import DEFAULT_TARGET, Target, parse_layer_ids
@@ -86,9 +87,9 @@ def sampling_from_args(args) -> SamplingConfig:
 def add_arch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--head",
-        default=default(DrafterConfig, "head"),
+        default=None,
         choices=list(HEADS),
-        help="sequential head (default %(default)s)",
+        help="sequential head (default domino; with --serve-with vllm, markov)",
     )
     p.add_argument(
         "--layers",
@@ -125,12 +126,28 @@ def add_arch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layer-ids", default=None, help="target feature layers, e.g. 1,8,14,20,27 (default: evenly spaced)"
     )
+    p.add_argument(
+        "--serve-with",
+        default=None,
+        choices=list(ENGINES),
+        help="choose only what `dominospec export` converts exactly for this engine (needs --mask-token-id; "
+        "see docs/export.md)",
+    )
 
 
 def check_arch_args(args) -> None:
     """The drafter-shape flags, checked before any model is loaded."""
     require_at_least(args, 1, "layers", "block_size", "intermediate_size", "gru_hidden_size", "rank")
     require_at_least(args, 0, "mask_token_id")
+    if args.serve_with:
+        serve_with_arch(args)
+
+
+def serve_with_arch(args) -> dict:
+    """--serve-with: the head, mask and confidence inputs that export exactly (refuses flags that cannot)."""
+    return arch_for_engine(
+        args.serve_with, args.head, args.mask_token_id, args.confidence_head, getattr(args, "draft_vocab", 0)
+    )
 
 
 def arch_from_args(args, target) -> dict:
@@ -146,7 +163,7 @@ def arch_from_args(args, target) -> dict:
         rank=args.rank,
         confidence_head=args.confidence_head,
         mask_token_id=args.mask_token_id,
-    )
+    ) | (serve_with_arch(args) if args.serve_with else {})
 
 
 def block_size_arg(text: str) -> int | str:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..drafter.checkpoint import read_checkpoint
+from ..errors import DominoError
+from ..export.plan import why_not_exact
 from ..train.run import TrainJob, train_drafter
 from ..train.trainer import TrainConfig
 from .common import (
@@ -37,6 +40,10 @@ def cmd_train(args) -> int:
         val_anchors=args.val_anchors,
     )
     check_arch_args(args)
+    if args.init and args.serve_with:  # --serve-with cannot change a drafter that already exists
+        reason = why_not_exact(read_checkpoint(args.init)[0], args.serve_with)
+        if reason:
+            raise DominoError(f"--init {args.init} does not export exactly to {args.serve_with}: {reason}")
     job = TrainJob(
         data=args.data,
         out=args.out,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..errors import DominoError
 from ..target.features import check_layer_ids
-from .heads import HEADS
+from .heads import CONFIDENCE_INPUTS, HEADS
 
 FORMAT = "dominospec-drafter/1"
 
@@ -39,6 +39,7 @@ class DrafterConfig:
     gru_hidden_size: int = 256
     rank: int = 64
     confidence_head: bool = False
+    confidence_inputs: str = "z_prev_embed"  # z_prev_embed: [z_k ; embed(x_{a+k})]; z: z_k alone (DSpark's form)
     # bookkeeping
     target_name: str = ""
     format: str = FORMAT
@@ -68,6 +69,8 @@ class DrafterConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        if self.confidence_inputs not in CONFIDENCE_INPUTS:
+            problems.append(f"confidence_inputs {self.confidence_inputs!r} is not one of {list(CONFIDENCE_INPUTS)}")
         if self.head_dim % 2:
             problems.append(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not 0 <= self.draft_vocab_size <= self.vocab_size:

@@ -182,8 +182,13 @@ class RNNHead(DSparkHead):
 HEADS: dict[str, type[NoHead]] = {"none": NoHead, "domino": DominoHead, "markov": MarkovHead, "rnn": RNNHead}
 
 
+# what the confidence head reads: z_prev_embed = [z_k ; embed(x_{a+k})]; z = z_k alone, DSpark's
+# confidence head without the Markov input, which SGLang and vLLM compute (an exact export)
+CONFIDENCE_INPUTS = ("z_prev_embed", "z")
+
+
 class ConfidenceHead(nn.Module):
-    """c_k = sigmoid(w . [z_k ; embed(x_{a+k})]): P(slot k's draft survives | earlier ones did).
+    """c_k = sigmoid(w . [z_k ; embed(x_{a+k})]) (or w . z_k): P(slot k's draft survives | earlier ones did).
 
     Trained with soft BCE against the analytic acceptance (or the greedy hit); at inference its
     logits travel with each proposal, for a verify-length policy to read.
@@ -191,10 +196,12 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, c):
         super().__init__()
-        self.proj = nn.Linear(2 * c.hidden_size, 1, bias=True)
+        self.reads_prev = c.confidence_inputs == "z_prev_embed"
+        self.proj = nn.Linear((2 if self.reads_prev else 1) * c.hidden_size, 1, bias=True)
 
     def forward(self, z, prev_emb):
-        return self.proj(torch.cat([z, prev_emb], dim=-1)).squeeze(-1)  # logits [N, B]
+        x = torch.cat([z, prev_emb], dim=-1) if self.reads_prev else z
+        return self.proj(x).squeeze(-1)  # logits [N, B]
 
     def loss(self, z, prev_emb, final, labels, p_t, weights):
         conf = self(z, prev_emb)
