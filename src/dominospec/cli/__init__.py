@@ -11,9 +11,9 @@ import sys
 
 from ..errors import DominoError
 from ..version import __version__
-from . import bench, calibrate, generate, init, prepare, profile, train
+from . import bench, calibrate, custom_generate, generate, init, prepare, profile, train
 
-SUBCOMMANDS = [generate, init, prepare, train, calibrate, bench, profile]
+SUBCOMMANDS = [generate, init, prepare, train, calibrate, bench, profile, custom_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:
