@@ -336,3 +336,29 @@ def test_qwen3_real_tokenizer_generates_through_our_path(qwen3_real, thinking, c
     assert torch.equal(ours, plain)
     new = ours[0, inputs["input_ids"].shape[1] :]
     assert capsys.readouterr().out.strip() == tok.decode(new).strip()
+
+
+def test_stop_strings_end_the_answer_as_in_transformers(qwen3_real, tmp_path):
+    from transformers import StopStringCriteria
+
+    model, tok = qwen3_real.model, qwen3_real.tokenizer
+    inputs = tok("Hello world, this is", return_tensors="pt")
+    plain = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    stop = tok.decode(plain[0, inputs["input_ids"].shape[1] :])[10:14]  # a piece of text greedy writes
+    want = model.generate(**inputs, max_new_tokens=20, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    assert want.shape[1] < plain.shape[1]  # control: the stop string does end transformers' answer early
+    criterion = StoppingCriteriaList([StopStringCriteria(tok, [stop])])
+    ours = model.generate(
+        **inputs, max_new_tokens=20, stopping_criteria=criterion, custom_generate=domino_generate, drafter="lookup"
+    )
+    assert torch.equal(ours, want)
+    write_custom_generate("lookup", tmp_path / "qwen-lookup")
+    by_path = model.generate(
+        **inputs,
+        max_new_tokens=20,
+        stop_strings=[stop],
+        tokenizer=tok,
+        custom_generate=str(tmp_path / "qwen-lookup"),
+        trust_remote_code=True,
+    )
+    assert torch.equal(by_path, want)

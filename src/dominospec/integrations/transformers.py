@@ -12,12 +12,13 @@ silently ignored. `write_custom_generate` writes DIR/custom_generate/generate.py
 
 Honoured: max_new_tokens / max_length, do_sample, temperature, top_k, top_p, eos_token_id,
 pad_token_id (nothing to pad at batch 1), the streamer, return_dict_in_generate (sequences only),
-and any stopping criterion that reads token ids (stop_strings, max_time, user criteria: checked
-after every committed token). Refused: batch > 1, num_beams > 1, num_return_sequences > 1,
-assisted decoding (prompt_lookup_num_tokens: use drafter="lookup"), output_scores / output_logits /
-output_attentions / output_hidden_states, a cache with content, inputs_embeds, and every logits
-processor other than the temperature, top-k and top-p warpers (repetition_penalty, min_new_tokens,
-bad_words_ids, min_p, ...).
+and any stopping criterion that reads token ids (StopStringCriteria, max_time, user criteria:
+checked after every committed token). stop_strings= works by path; with the callable, transformers
+itself refuses it (it does not pass the tokenizer on), so pass StopStringCriteria(tok, [...]).
+Refused: batch > 1, num_beams > 1, num_return_sequences > 1, assisted decoding
+(prompt_lookup_num_tokens: use drafter="lookup"), output_scores / output_logits / output_attentions /
+output_hidden_states, a cache with content, inputs_embeds, and every logits processor other than the
+temperature, top-k and top-p warpers (repetition_penalty, min_new_tokens, bad_words_ids, min_p, ...).
 """
 
 from __future__ import annotations
@@ -293,7 +294,18 @@ def domino_generate(
 def generate_by_path(model, drafter=None, **generate_arguments):
     """What custom_generate/generate.py runs: transformers calls it with generate()'s own arguments
     (custom_generate="DIR" skips generate's preparation), so it runs generate with domino_generate."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
     generate_arguments.pop("custom_generate", None)
+    stop_strings, tokenizer = generate_arguments.pop("stop_strings", None), generate_arguments.get("tokenizer")
+    if stop_strings and tokenizer is not None:
+        # transformers keeps the tokenizer from a callable, and stop_strings need it: build the criterion here
+        strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+        criteria = StoppingCriteriaList(generate_arguments.get("stopping_criteria") or [])
+        criteria.append(StopStringCriteria(tokenizer, strings))
+        generate_arguments["stopping_criteria"] = criteria
+    elif stop_strings:
+        generate_arguments["stop_strings"] = stop_strings  # transformers says a tokenizer is needed
     # the class's generate: from_pretrained(..., trust_remote_code=True) may have replaced the instance's
     return type(model).generate(model, custom_generate=domino_generate, drafter=drafter, **generate_arguments)
 
