@@ -2,6 +2,7 @@
 
 import gc
 import json
+import math
 
 import pytest
 import torch
@@ -10,9 +11,11 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import dominospec.integrations.transformers as hfi
 from dominospec.cli import build_parser, main
+from dominospec.data.dataset import load_dataset_dir
 from dominospec.data.prepare import ChatCodec, PrepareConfig, SampleBuilder, prepare_data
 from dominospec.data.prompts import Conversation
 from dominospec.integrations import domino_generate, write_custom_generate
+from dominospec.train.trainer import TrainConfig, Trainer
 
 PROMPT = torch.tensor([[1, 5, 9, 14, 3, 7]])
 
@@ -296,7 +299,8 @@ def test_qwen3_loss_mask_covers_exactly_the_assistant_turn(qwen3_real, thinking)
 
 
 @pytest.mark.slow
-def test_prepare_data_on_qwen3_records_the_thinking_mode(qwen3_real, tmp_path):
+def test_qwen3_pipeline_prepare_train_generate_and_the_thinking_mode(qwen3_real, tmp_path):
+    """prepare-data (both modes, recorded) -> train a drafter -> custom_generate by path equals plain greedy."""
     conversations = [Conversation(("Name a colour.",), "p:0"), Conversation(("Hi!", "Count to three."), "p:1")]
     metas = {}
     for thinking in (False, True):
@@ -318,6 +322,18 @@ def test_prepare_data_on_qwen3_records_the_thinking_mode(qwen3_real, tmp_path):
         meta["complete"] = False
         (tmp_path / "thinking-False" / "meta.json").write_text(json.dumps(meta))
         prepare_data(qwen3_real, conversations, tmp_path / "thinking-False", cfg, progress=False)
+    _, samples = load_dataset_dir(tmp_path / "thinking-True", qwen3_real)
+    drafter = tiny_drafter(qwen3_real, block_size=4)
+    trainer = Trainer(
+        qwen3_real, drafter, samples, tmp_path / "drafter", TrainConfig(max_steps=3, batch_size=2), progress=False
+    )
+    assert math.isfinite(trainer.fit()["tau_greedy"])  # fit writes the drafter into its directory
+    write_custom_generate(tmp_path / "drafter")
+    model = qwen3_real.model
+    inputs = torch.tensor([qwen3_real.encode_chat("Name a colour.", enable_thinking=True)])
+    plain = model.generate(inputs, max_new_tokens=16, do_sample=False)
+    ours = model.generate(inputs, max_new_tokens=16, custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
+    assert torch.equal(ours, plain)
 
 
 @pytest.mark.parametrize("thinking", [False, True])
