@@ -2,7 +2,6 @@
 
 import gc
 import json
-import math
 
 import pytest
 import torch
@@ -12,10 +11,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 import dominospec.integrations.transformers as hfi
 from dominospec.cli import build_parser, main
 from dominospec.data.dataset import load_dataset_dir
-from dominospec.data.prepare import ChatCodec, PrepareConfig, SampleBuilder, prepare_data
-from dominospec.data.prompts import Conversation
+from dominospec.data.prepare import ChatCodec, SampleBuilder
 from dominospec.integrations import domino_generate, write_custom_generate
-from dominospec.train.trainer import TrainConfig, Trainer
 
 PROMPT = torch.tensor([[1, 5, 9, 14, 3, 7]])
 
@@ -299,40 +296,52 @@ def test_qwen3_loss_mask_covers_exactly_the_assistant_turn(qwen3_real, thinking)
 
 
 @pytest.mark.slow
-def test_qwen3_pipeline_prepare_train_generate_and_the_thinking_mode(qwen3_real, tmp_path):
-    """prepare-data (both modes, recorded) -> train a drafter -> custom_generate by path equals plain greedy."""
-    conversations = [Conversation(("Name a colour.",), "p:0"), Conversation(("Hi!", "Count to three."), "p:1")]
-    metas = {}
+def test_qwen3_pipeline_through_the_cli_records_the_thinking_mode(qwen3_real, tmp_path, capsys):
+    """prepare-data in both modes (recorded) -> train -> generate (says when the mode differs) -> custom_generate."""
+    target_dir, prompts = tmp_path / "qwen3-tiny", tmp_path / "prompts.jsonl"
+    qwen3_real.model.save_pretrained(target_dir)
+    qwen3_real.tokenizer.save_pretrained(target_dir)
+    prompts.write_text('{"turns": ["Name a colour."]}\n{"turns": ["Hi!", "Count to three."]}\n')
+    common = ["--target", str(target_dir), "--dtype", "float32", "--backend", "hf"]
     for thinking in (False, True):
-        cfg = PrepareConfig(max_new_tokens=6, batch_size=2, shard_size=2, enable_thinking=thinking)
         out = tmp_path / f"thinking-{thinking}"
-        metas[thinking] = prepare_data(qwen3_real, conversations, out, cfg, progress=False)
-        samples = [json.loads(line) for line in (out / "samples-00000.jsonl").read_text().splitlines()]
-        assert metas[thinking]["enable_thinking"] is thinking and samples
+        flags = ["--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6", "--batch-size", "2"]
+        flags += ["--extend", str(tmp_path / "dataset")]
+        assert main(["prepare-data", *common, *flags] + (["--enable-thinking"] if thinking else [])) == 0
+        meta, samples = load_dataset_dir(out)
+        assert meta["enable_thinking"] is thinking
         # thinking off: the history loses turn 1's empty think block, so turn 2 starts a new sample; thinking on:
         # this random model writes no think block, so its history re-renders as a prefix and stays one sample
-        assert [x["id"] for x in samples] == (["p:0", "p:1"] if thinking else ["p:0", "p:1", "p:1/1"])
+        ids = ["prompts:1", "prompts:2"] + ([] if thinking else ["prompts:2/1"])  # <file>:<line>
+        assert [x["id"] for x in samples] == ids
         first = samples[0]
         start = first["loss_mask"].index(1)
         prompt = qwen3_real.encode_chat("Name a colour.", enable_thinking=thinking)
         assert first["input_ids"][:start] == prompt and not any(first["loss_mask"][:start])
-    with pytest.raises(Exception, match="enable_thinking: False there, True now"):
-        cfg = PrepareConfig(max_new_tokens=6, batch_size=2, shard_size=2, enable_thinking=True)
-        meta = json.loads((tmp_path / "thinking-False" / "meta.json").read_text())
-        meta["complete"] = False
-        (tmp_path / "thinking-False" / "meta.json").write_text(json.dumps(meta))
-        prepare_data(qwen3_real, conversations, tmp_path / "thinking-False", cfg, progress=False)
-    _, samples = load_dataset_dir(tmp_path / "thinking-True", qwen3_real)
-    drafter = tiny_drafter(qwen3_real, block_size=4)
-    trainer = Trainer(
-        qwen3_real, drafter, samples, tmp_path / "drafter", TrainConfig(max_steps=3, batch_size=2), progress=False
-    )
-    assert math.isfinite(trainer.fit()["tau_greedy"])  # fit writes the drafter into its directory
-    write_custom_generate(tmp_path / "drafter")
+    manifest = json.loads((tmp_path / "dataset" / "manifest.json").read_text())
+    assert [p["settings"]["enable_thinking"] for p in manifest["parts"]] == [False, True]
+    assert load_dataset_dir(tmp_path / "dataset")[0]["enable_thinking"] is None  # parts in both modes
+    capsys.readouterr()
+    other_mode = ["--prompts", str(prompts), "--out", str(tmp_path / "thinking-False"), "--max-new-tokens", "6"]
+    assert main(["prepare-data", *common, *other_mode, "--batch-size", "2", "--enable-thinking"]) == 2
+    assert "enable_thinking: False there, True now" in capsys.readouterr().err
+
+    drafter_dir = tmp_path / "drafter"
+    arch = ["--layers", "1", "--block-size", "4", "--intermediate-size", "48", "--gru-hidden-size", "16", "--rank", "8"]
+    train = ["--data", str(tmp_path / "thinking-True"), "--out", str(drafter_dir), "--max-steps", "3"]
+    assert main(["train", *common, *train, *arch, "--batch-size", "2", "--val-fraction", "0"]) == 0
+    assert json.loads((drafter_dir / "config.json").read_text())["extra"] == {"enable_thinking": True}
+    for thinking in (True, False):
+        capsys.readouterr()
+        flags = ["--drafter", str(drafter_dir), "--max-new-tokens", "4"] + (["--enable-thinking"] if thinking else [])
+        assert main(["generate", "Name a colour.", *common, *flags]) == 0
+        assert ("trained on data made with thinking on" in capsys.readouterr().err) == (not thinking)
+
+    write_custom_generate(drafter_dir)
     model = qwen3_real.model
     inputs = torch.tensor([qwen3_real.encode_chat("Name a colour.", enable_thinking=True)])
     plain = model.generate(inputs, max_new_tokens=16, do_sample=False)
-    ours = model.generate(inputs, max_new_tokens=16, custom_generate=str(tmp_path / "drafter"), trust_remote_code=True)
+    ours = model.generate(inputs, max_new_tokens=16, custom_generate=str(drafter_dir), trust_remote_code=True)
     assert torch.equal(ours, plain)
 
 

@@ -41,6 +41,12 @@ def cmd_generate(args) -> int:
             "(train one with `dominospec train`, pass --drafter DIR, or --drafter lookup)"
         )
     warn_if_reduced_precision(target)
+    trained = drafter.config.extra.get("enable_thinking") if drafter is not None else None
+    if trained is not None and trained != args.enable_thinking:
+        log(
+            f"note: this drafter was trained on data made with thinking {'on' if trained else 'off'}, and this run "
+            f"has it {'on' if args.enable_thinking else 'off'}: the output is the same, acceptance may be lower"
+        )
     block_size = args.block_size
     if block_size == "auto":
         block_size = None

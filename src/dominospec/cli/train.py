@@ -80,6 +80,8 @@ def cmd_train(args) -> int:
                 f"draft vocabulary: {args.draft_vocab} tokens cover {draft_vocab_coverage(drafter, samples):.1%} "
                 f"of the supervised training tokens"
             )
+    if meta.get("enable_thinking") is not None:  # generate says so when used in the other mode
+        drafter.config.extra["enable_thinking"] = meta["enable_thinking"]
     validator = Validator(target, val_samples, cfg.val_anchors) if val_samples else None
     trainer = Trainer(
         target,

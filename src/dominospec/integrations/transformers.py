@@ -34,6 +34,7 @@ from torch import nn
 from ..decode import PromptLookup, generate_autoregressive, generate_speculative, make_policy
 from ..drafter import Drafter
 from ..errors import DominoError
+from ..log import log
 from ..sampling import SamplingConfig
 from ..target import Target
 
@@ -262,12 +263,13 @@ def domino_generate(
         if streamer is not None:
             streamer.put(torch.tensor(tokens))
 
+    result = None
     try:
         if draft is None and lookup is None:
-            generate_autoregressive(target, prompt, max_new, sampling, seed, eos_ids=eos, on_tokens=on_tokens)
+            result = generate_autoregressive(target, prompt, max_new, sampling, seed, eos_ids=eos, on_tokens=on_tokens)
         else:
             policy = make_policy(verify, draft, target, block_size=block_size, lookup=lookup is not None)
-            generate_speculative(
+            result = generate_speculative(
                 target,
                 draft,
                 prompt,
@@ -285,6 +287,8 @@ def domino_generate(
     finally:
         if streamer is not None:
             streamer.end()
+    for note in result.notes if result is not None else []:  # e.g. max_new_tokens capped at the context
+        log(note)
     sequences = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
     if gc.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
