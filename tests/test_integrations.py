@@ -2,6 +2,7 @@
 
 import gc
 import json
+import os
 
 import pytest
 import torch
@@ -174,6 +175,20 @@ def test_native_weights_are_packed_once_per_model_and_follow_weight_updates():
     del model, first
     gc.collect()
     assert len(hfi._NATIVE) == before - 1  # the packed copy dies with the model
+
+
+def test_a_drafter_directory_is_loaded_once_and_again_when_rewritten(tiny32, tmp_path, monkeypatch):
+    model, drafter = tiny32
+    drafter.save_pretrained(tmp_path / "d")
+    loads = []
+    original = hfi.Drafter.from_pretrained
+    monkeypatch.setattr(hfi.Drafter, "from_pretrained", lambda *a, **k: loads.append(a) or original(*a, **k))
+    for _ in range(2):
+        model.generate(PROMPT, max_new_tokens=4, custom_generate=domino_generate, drafter=str(tmp_path / "d"))
+    assert len(loads) == 1
+    os.utime(tmp_path / "d" / "model.safetensors", ns=(1, 1))  # as a new training run would leave it
+    model.generate(PROMPT, max_new_tokens=4, custom_generate=domino_generate, drafter=tmp_path / "d")
+    assert len(loads) == 2
 
 
 def test_custom_generate_directory_runs_with_trust_remote_code(tiny32, tmp_path, capsys):

@@ -33,15 +33,15 @@ from torch import nn
 
 from ..decode import PromptLookup, generate_autoregressive, generate_speculative, make_policy
 from ..drafter import Drafter
+from ..drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from ..errors import DominoError
+from ..io import ensure_writable_dir, write_atomic
 from ..log import log
 from ..sampling import SamplingConfig
 from ..target import Target
 
 LOOKUP = "lookup"  # drafter="lookup": prompt lookup alone, no trained drafter
 WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")  # what SamplingConfig expresses
-# the stopping criteria mapped onto the loop's own arguments; any other is checked token by token
-NATIVE_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
 REFUSED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -54,7 +54,7 @@ class UnsupportedSetting(DominoError, ValueError):
 # model -> (weights stamp, NativeModel or None, backend note). Weak keys: the entry dies with the model;
 # the value holds weight tensors and packed copies, never the model itself, so it does not keep it alive.
 _NATIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> {drafter directory: Drafter attached to it}
+# model -> {(drafter directory, its weights' mtime): Drafter attached to it}
 _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -98,7 +98,8 @@ def _resolve_drafter(model, target: Target, drafter) -> tuple[Drafter | None, Pr
     if isinstance(drafter, Drafter):
         return drafter.attach(target), None  # cheap: checks the fit, borrows the tables
     if isinstance(drafter, (str, os.PathLike)):
-        key = str(Path(drafter).resolve())
+        weights = Path(drafter).resolve() / WEIGHTS_NAME
+        key = (str(weights), weights.stat().st_mtime_ns if weights.exists() else None)  # retrained: reload
         loaded = _DRAFTERS.setdefault(model, {})
         if key not in loaded:
             loaded[key] = Drafter.from_pretrained(drafter, target=target)
@@ -160,7 +161,8 @@ def sampling_from(gc, logits_processor) -> SamplingConfig:
 
 
 def _split_criteria(stopping_criteria, prompt_len: int) -> tuple[int | None, list[int] | None, list]:
-    """(max_new_tokens, EOS ids, the criteria left to check token by token) from transformers' list."""
+    """(max_new_tokens, EOS ids, the criteria left to check token by token) from transformers' list:
+    the length and EOS criteria become the loop's own arguments, any other is checked after every token."""
     max_new, eos, rest = None, None, []
     for c in stopping_criteria or []:
         kind = type(c).__name__
@@ -339,9 +341,6 @@ def write_custom_generate(drafter: str | os.PathLike, out: str | os.PathLike | N
     transformers copies the file into its module cache before running it, so the drafter's absolute
     path is written into it: move the drafter, write it again.
     """
-    from ..drafter.checkpoint import CONFIG_NAME
-    from ..io import ensure_writable_dir, write_atomic
-
     if drafter == LOOKUP:
         if out is None:
             raise DominoError("DRAFTER lookup has no directory to write next to: give --out DIR")
