@@ -102,10 +102,15 @@ def test_cycle_finder_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+# transformers' API moves fast, so one package absorbs it: target/. The one deliberate exception is
+# integrations/, which meets users inside transformers' own generate() and must name its objects.
+TRANSFORMERS_PACKAGES = ("dominospec.target", "dominospec.integrations")
+
+
 def test_only_the_target_package_imports_transformers():
     outside = []
     for name, path in modules().items():
-        if name.startswith("dominospec.target"):
+        if name.startswith(TRANSFORMERS_PACKAGES):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
@@ -117,7 +122,7 @@ def test_only_the_target_package_imports_transformers():
             )
             if any(n.split(".")[0] == "transformers" for n in names):
                 outside.append(name)
-    assert not outside, f"modules outside dominospec.target importing transformers: {outside}"
+    assert not outside, f"modules outside {TRANSFORMERS_PACKAGES} importing transformers: {outside}"
 
 
 # The data flow, bottom to top: a module may import its own package and packages of lower stages only.

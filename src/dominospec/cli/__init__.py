@@ -20,9 +20,9 @@ import sys
 
 from ..errors import DominoError
 from ..version import __version__
-from . import bench, calibrate, export, generate, init, loadtest, prepare, profile, serve, train
+from . import bench, calibrate, custom_generate, export, generate, init, loadtest, prepare, profile, serve, train
 
-SUBCOMMANDS = [generate, init, prepare, train, calibrate, bench, profile, export, serve, loadtest]
+SUBCOMMANDS = [generate, init, prepare, train, calibrate, bench, profile, export, custom_generate, serve, loadtest]
 
 
 def build_parser() -> argparse.ArgumentParser:

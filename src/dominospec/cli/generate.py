@@ -41,6 +41,12 @@ def cmd_generate(args) -> int:
             "(train one with `dominospec train`, pass --drafter DIR, or --drafter lookup)"
         )
     warn_if_reduced_precision(target)
+    trained = drafter.config.extra.get("enable_thinking") if drafter is not None else None
+    if trained is not None and trained != args.enable_thinking:
+        log(
+            f"note: this drafter was trained on data made with thinking {'on' if trained else 'off'}, and this run "
+            f"has it {'on' if args.enable_thinking else 'off'}: the output is the same, acceptance may be lower"
+        )
     block_size = args.block_size
     if block_size == "auto":
         block_size = None
@@ -69,8 +75,12 @@ def cmd_generate(args) -> int:
             report=log,
             greedy=sampling.greedy,
         )
+
+    def encode_chat(text):
+        return target.encode_chat(text, enable_thinking=args.enable_thinking)
+
     prompt_ids, too_long = encode_if_fits(
-        args.prompt, target.encode_raw if args.raw else target.encode_chat, target.max_positions, target.max_token_chars
+        args.prompt, target.encode_raw if args.raw else encode_chat, target.max_positions, target.max_token_chars
     )
     if too_long:
         raise DominoError(f"PROMPT {too_long}")
@@ -164,6 +174,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="switch the chat template's thinking mode on (Qwen3: the model writes a <think> block first); "
+        "off by default, and templates without the switch ignore it",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_verify_args(p, auto=True)
     add_sampling_args(p)

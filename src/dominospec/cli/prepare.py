@@ -22,6 +22,7 @@ def cmd_prepare(args) -> int:
         seed=args.seed,
         batch_size=args.batch_size,
         shard_size=shard_size,
+        enable_thinking=args.enable_thinking,
     )
     require_at_least(args, 1, "limit")
     ensure_writable_dir(args.out)
@@ -53,7 +54,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "prepare-data",
         help="regenerate prompts' answers with the target (on-policy training data)",
-        description="Let TARGET answer every user turn of the prompts (chat template, thinking off, sampled) "
+        description="Let TARGET answer every user turn of the prompts (chat template, sampled; thinking off "
+        "unless --enable-thinking) "
         "and write token ids with an assistant-only loss mask to OUT, ready for `dominospec train`. "
         "Killed runs resume where they stopped when rerun with the same arguments.",
     )
@@ -91,6 +93,12 @@ def add_parser(sub) -> None:
         help=f"conversations per shard file, a multiple of --batch-size (default {SHARD_BATCHES} batches)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed, also picks the builtin prompts (default 0)")
+    p.add_argument(
+        "--enable-thinking",
+        action="store_true",
+        help="render prompts with the chat template's thinking mode on (Qwen3: answers start with a <think> "
+        "block, supervised like the rest of the answer); recorded in meta.json, part of the run's identity",
+    )
     p.add_argument(
         "--on-error",
         choices=("skip", "fatal"),

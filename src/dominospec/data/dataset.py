@@ -50,6 +50,7 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
             f"{d} is not a dominospec data directory (no meta.json or manifest.json); make one with "
             "`dominospec prepare-data`"
         )
+    meta.setdefault("enable_thinking", False)  # runs made before the switch existed had it off
     vocab_size = meta["vocab_size"]
     if target is not None:
         _check_target(meta, target, d, allow_other_target)
@@ -78,6 +79,8 @@ def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[d
         "parts": [p["name"] for p in manifest["parts"]],
         "counts": manifest.get("counts"),
     }
+    modes = {bool(p["settings"].get("enable_thinking")) for p in manifest["parts"]}
+    meta["enable_thinking"] = modes.pop() if len(modes) == 1 else None  # None: parts made in both modes
     vocab_size = meta["vocab_size"]
     if target is not None:
         _check_target(meta, target, d, allow_other_target)

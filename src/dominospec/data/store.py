@@ -37,6 +37,7 @@ PART_SETTINGS = (
     "top_k",
     "seed",
     "batch_size",
+    "enable_thinking",
     "prompts_sha256",
     "conversations_total",
 )

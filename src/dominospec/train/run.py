@@ -66,7 +66,7 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
     """Load and check the data, build or load the drafter, train, export the best; returns the Trainer."""
     cfg = job.config
     out, cache = job.check_outputs()
-    _, samples = load_dataset_dir(job.data, target=target, allow_other_target=job.allow_other_target)
+    meta, samples = load_dataset_dir(job.data, target=target, allow_other_target=job.allow_other_target)
     samples = validate_samples(samples, target, cfg.max_seq_len, str(job.data))
     if job.val_data:
         val_samples = load_dataset_dir(job.val_data, target=target, allow_other_target=job.allow_other_target)[1]
@@ -95,6 +95,8 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
                 f"draft vocabulary: {job.draft_vocab} tokens cover {draft_vocab_coverage(drafter, samples):.1%} "
                 f"of the supervised training tokens"
             )
+    if meta.get("enable_thinking") is not None:  # generate says so when used in the other mode
+        drafter.config.extra["enable_thinking"] = meta["enable_thinking"]
     validator = Validator(target, val_samples, cfg.val_anchors) if val_samples else None
     trainer = Trainer(
         target,
