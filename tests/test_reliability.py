@@ -9,14 +9,13 @@ import json
 import math
 import os
 import shutil
-import string
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_drafter
+from conftest import save_char_model, tiny_drafter
 from train_worker import synthetic_samples
 
 import dominospec
@@ -51,51 +50,7 @@ def shared_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def char_model(shared_dir) -> Path:
-    """A tiny Llama behind a one-token-per-character tokenizer and a chat template, CONTEXT positions.
-
-    Its EOS row of the LM head is zero and the others are sharpened, so greedy answers never end on
-    their own: they run until a limit cuts them.
-    """
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    chars = string.ascii_letters + string.digits + " .,?!:;'-()<>/|\n"
-    vocab = {c: i for i, c in enumerate(chars)}
-    start, end = len(vocab), len(vocab) + 1
-    vocab.update({"<|im_start|>": start, "<|im_end|>": end})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
-    )
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(vocab),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=CONTEXT,
-            eos_token_id=end,
-            bos_token_id=start,
-            pad_token_id=end,
-            tie_word_embeddings=False,
-        )
-    )
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-        model.lm_head.weight[end] = 0.0
-    d = shared_dir / "char-model"
-    model.save_pretrained(str(d))
-    tok.save_pretrained(str(d))
-    return d
+    return save_char_model(shared_dir / "char-model", CONTEXT)
 
 
 def write_prompts(path: Path, texts) -> Path:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..data.extend import add_part, check_extendable
-from ..data.prepare import SHARD_BATCHES, PrepareConfig, prepare_data
+from ..data.prepare import SHARD_BATCHES, ChatCodec, PrepareConfig, fit_to_context, prepare_data
 from ..data.sources import is_self_written, load_prompts
 from ..data.store import read_manifest
 from ..io import ensure_writable_dir
@@ -26,6 +26,7 @@ def cmd_prepare(args) -> int:
     require_at_least(args, 1, "limit")
     ensure_writable_dir(args.out)
     if args.extend:
+        check_extendable(args.extend)  # a damaged manifest or a folder of other things: refused before any work
         ensure_writable_dir(args.extend, "--extend")
     target = None
     if is_self_written(args.prompts):  # the target writes some prompts itself: load it first
@@ -40,13 +41,19 @@ def cmd_prepare(args) -> int:
         check_extendable(args.extend, target)
     prepare_data(target, conversations, args.out, cfg, sources=sources, on_error=args.on_error)
     if args.extend:
-        entry = add_part(args.extend, args.out, conversations, exist_ok=True)
+        # the run was made from the prompts that fit the context; those are the ones its part records
+        kept, _ = fit_to_context(conversations, ChatCodec.for_target(target), target.max_positions, report=_quiet)
+        entry = add_part(args.extend, args.out, kept, exist_ok=True, report=log)
         total = read_manifest(args.extend)["counts"]
         log(
             f"{args.extend}: {entry['name']} holds this run ({entry['counts']['samples']} samples); the data set now "
             f"has {total['samples']} samples, {total['tokens']} tokens ({total['supervised_tokens']} supervised)"
         )
     return 0
+
+
+def _quiet(_message: str) -> None:
+    """prepare_data already reported the prompts it left out."""
 
 
 def add_parser(sub) -> None:

@@ -14,23 +14,33 @@ import json
 from pathlib import Path
 
 from ..errors import DominoError
+from ..io import json_field, read_json_object
 from ..log import log
-from .store import SHARED, check_part_files, is_dataset, read_manifest, read_npz_shard
+from .store import (
+    SHARD_NAME,
+    SHARED,
+    check_no_unlisted_parts,
+    check_part_files,
+    is_dataset,
+    read_manifest,
+    read_npz_shard,
+)
 
 FORMAT = "dominospec-data/1"
 
 
 def read_meta(data_dir: Path) -> dict | None:
+    """DIR/meta.json, checked (None when there is none)."""
     path = data_dir / "meta.json"
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8-sig"))
-    except json.JSONDecodeError as exc:
-        raise DominoError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise DominoError(f"{path}: format {found!r}, expected {FORMAT!r}")
+    meta = read_json_object(path, "a prepare-data meta.json")
+    if meta.get("format") != FORMAT:
+        raise DominoError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    json_field(meta, "vocab_size", int, str(path))
+    if meta.get("complete"):
+        counts = json_field(meta, "counts", dict, str(path))
+        json_field(counts, "samples", int, f"{path} counts")
     return meta
 
 
@@ -82,10 +92,11 @@ def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[d
     if target is not None:
         _check_target(meta, target, d, allow_other_target)
         vocab_size = target.vocab_size
+    check_no_unlisted_parts(d, manifest)
     samples, seen = [], set()
     for entry in manifest["parts"]:
         check_part_files(d, entry)
-        for path in sorted((d / entry["name"]).glob("samples-*.npz")):
+        for path in sorted(d / entry["name"] / f for f in entry["files"] if SHARD_NAME.fullmatch(f)):
             for n, sample in enumerate(read_npz_shard(path)):
                 sample["id"] = f"{entry['name']}:{sample['id']}"  # ":" keeps "/turn" as the split mark
                 _check_sample(sample, vocab_size, f"{path} sample {n}")
