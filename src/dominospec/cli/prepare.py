@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ..data.extend import add_part, check_extendable
 from ..data.prepare import SHARD_BATCHES, ChatCodec, PrepareConfig, fit_to_context, prepare_data
-from ..data.sources import is_self_written, load_prompts
+from ..data.sources import check_prompt_specs, is_self_written, load_prompts
 from ..data.store import read_manifest
-from ..io import ensure_writable_dir
+from ..io import check_free_space, ensure_writable_dir
 from ..log import log
 from .common import add_target_args, require_at_least, target_from_args
 
@@ -24,6 +24,7 @@ def cmd_prepare(args) -> int:
         shard_size=shard_size,
     )
     require_at_least(args, 1, "limit")
+    check_prompt_specs(args.prompts)
     ensure_writable_dir(args.out)
     if args.extend:
         check_extendable(args.extend)  # a damaged manifest or a folder of other things: refused before any work
@@ -36,6 +37,11 @@ def cmd_prepare(args) -> int:
     )
     turns = sum(len(c.turns) for c in conversations)
     log(f"{len(conversations)} conversations ({turns} user turns) from {len(sources)} source(s)")
+    # a full disk found now, not after hours of generation: about 8 bytes per JSONL token, a quarter compacted
+    need = len(conversations) * (cfg.max_new_tokens + 512) * 8
+    check_free_space(args.out, need)
+    if args.extend:
+        check_free_space(args.extend, need // 4, "--extend")
     target = target or target_from_args(args)
     if args.extend:
         check_extendable(args.extend, target)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.dataset import load_dataset_dir
+from ..data.dataset import check_data_dir, load_dataset_dir
 from ..drafter import Drafter
 from ..errors import DominoError
 from ..io import ensure_writable_dir
@@ -42,6 +42,9 @@ def cmd_train(args) -> int:
     require_at_least(args, 0, "val_anchors")
     if not 0 <= args.val_fraction < 1:
         raise DominoError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    check_data_dir(args.data, "--data")
+    if args.val_data:
+        check_data_dir(args.val_data, "--val-data")
     out = ensure_writable_dir(args.out)
     cache = ensure_writable_dir(args.feature_cache, "--feature-cache") if args.feature_cache else None
     target = target_from_args(args)

@@ -44,6 +44,21 @@ def read_meta(data_dir: Path) -> dict | None:
     return meta
 
 
+def check_data_dir(data_dir: str | Path, flag: str = "--data") -> None:
+    """A quick look before any model loads: DIR is a prepare-data directory or data set whose
+    meta.json / manifest.json is sound (the samples are checked when they are read)."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise DominoError(f"{flag} {d}: {'not a directory' if d.exists() else 'no such directory'}")
+    if is_dataset(d):
+        read_manifest(d)
+    elif read_meta(d) is None:
+        raise DominoError(
+            f"{flag} {d} is not a dominospec data directory (no meta.json or manifest.json); make one with "
+            "`dominospec prepare-data`"
+        )
+
+
 def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool = False) -> tuple[dict, list[dict]]:
     """(meta, samples) of a prepare-data directory, validated; with a target, checks it is the same tokenizer.
 
@@ -83,6 +98,7 @@ def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[d
     manifest = read_manifest(d)
     meta = {
         **{k: manifest.get(k) for k in SHARED},
+        "target_sha256": manifest.get("target_sha256"),
         "format": manifest["format"],
         "complete": True,
         "parts": [p["name"] for p in manifest["parts"]],
@@ -138,7 +154,7 @@ def _check_target(meta: dict, target, d: Path, allow_other_target: bool) -> None
             f"data {d} was made with another tokenizer (target {meta['target']!r}, tokenizer "
             f"sha256 {ours[:16]}...) than target {target.name!r} (sha256 {theirs[:16]}...)"
         )
-    if not allow_other_target and not _same_model(meta.get("target"), target.name):
+    if not allow_other_target and not same_target(meta, target):
         raise DominoError(
             f"data {d} was written by target {meta.get('target')!r}, but this run trains for target "
             f"{target.name!r}: a drafter learns to predict the model that wrote its data. Make data "
@@ -147,11 +163,26 @@ def _check_target(meta: dict, target, d: Path, allow_other_target: bool) -> None
         )
 
 
-def _same_model(recorded: str | None, name: str) -> bool:
+def same_target(recorded: dict, target) -> bool:
+    """A record (meta.json, manifest) names `target` (a Target or another record): the same content
+    fingerprint where both have one, else the same name or two spellings of one model directory."""
+    other = target if isinstance(target, dict) else target_record(target)
+    a, b = recorded.get("target_sha256"), other.get("target_sha256")
+    if a and b:
+        return a == b
+    return _same_model(recorded.get("target"), other.get("target"))
+
+
+def target_record(target) -> dict:
+    """How data records its target: the name it was loaded under, and its content fingerprint."""
+    return {"target": target.name, "target_sha256": getattr(target, "fingerprint", None)}
+
+
+def _same_model(recorded: str | None, name: str | None) -> bool:
     """The same name, or two spellings of the same model directory."""
     if recorded == name:
         return True
-    if recorded is None:
+    if recorded is None or name is None:
         return False
     a, b = Path(recorded), Path(name)
     return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()

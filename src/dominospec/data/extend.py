@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import DominoError
 from ..io import ensure_writable_dir, exclusive_lock, is_temporary, write_json_atomic
-from .dataset import iter_shard, read_meta
+from .dataset import iter_shard, read_meta, same_target, target_record
 from .prompts import prompts_fingerprint
 from .store import (
     FORMAT,
@@ -55,7 +55,12 @@ def add_part(dataset: str | Path, run_dir: str | Path, conversations=None, exist
         manifest = (
             read_manifest(dataset)
             if is_dataset(dataset)
-            else {"format": FORMAT, "parts": [], **{k: meta.get(k) for k in SHARED}}
+            else {
+                "format": FORMAT,
+                "parts": [],
+                **{k: meta.get(k) for k in SHARED},
+                "target_sha256": meta.get("target_sha256"),
+            }
         )
         diffs = _shared_differences(manifest, meta, f"in {dataset}", f"in {run_dir}")
         if diffs:
@@ -165,7 +170,7 @@ def check_extendable(dataset: str | Path, target=None) -> None:
     if target is None:
         return
     mine = {
-        "target": target.name,
+        **target_record(target),
         "vocab_size": target.vocab_size,
         "tokenizer_sha256": target.tokenizer_fingerprint,
         "chat_template_sha256": target.chat_template_fingerprint,
@@ -177,7 +182,15 @@ def check_extendable(dataset: str | Path, target=None) -> None:
 
 
 def _shared_differences(manifest: dict, other: dict, there: str, here: str) -> str:
-    """The fields every part of a data set shares (SHARED) where `other` differs, one clause each; "" if none."""
-    return "; ".join(
-        f"{k}: {manifest.get(k)!r} {there}, {other.get(k)!r} {here}" for k in SHARED if manifest.get(k) != other.get(k)
-    )
+    """The fields every part of a data set shares (SHARED) where `other` differs, one clause each; "" if none.
+
+    The target is compared by content (same_target): another spelling of its path is no difference.
+    """
+    diffs = [
+        f"{k}: {manifest.get(k)!r} {there}, {other.get(k)!r} {here}"
+        for k in SHARED
+        if k != "target" and manifest.get(k) != other.get(k)
+    ]
+    if not same_target(manifest, other):
+        diffs.insert(0, f"target: {manifest.get('target')!r} {there}, {other.get('target')!r} {here}")
+    return "; ".join(diffs)

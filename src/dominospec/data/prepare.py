@@ -45,7 +45,7 @@ from ..log import log
 from ..sampling import check_sampling
 from ..target.context import cap_new_tokens, encode_if_fits, prompt_too_long
 from ..version import __version__
-from .dataset import FORMAT, read_meta
+from .dataset import FORMAT, read_meta, same_target, target_record
 from .prompts import Conversation, prompts_fingerprint
 
 SHARD_BATCHES = 8  # default shard size, in batches: a crash costs at most one shard of work
@@ -381,7 +381,7 @@ IDENTITY = (
 def _new_meta(target, codec: ChatCodec, cfg: PrepareConfig, conversations, sources) -> dict:
     return {
         "format": FORMAT,
-        "target": target.name,
+        **target_record(target),
         "vocab_size": target.vocab_size,
         "tokenizer_sha256": codec.tokenizer_sha256,
         "chat_template_sha256": codec.chat_template_sha256,
@@ -401,8 +401,12 @@ def _new_meta(target, codec: ChatCodec, cfg: PrepareConfig, conversations, sourc
 
 def _check_same_run(existing: dict, new: dict, out: Path) -> None:
     diffs = [
-        f"{key}: {existing.get(key)!r} there, {new[key]!r} now" for key in IDENTITY if existing.get(key) != new[key]
+        f"{key}: {existing.get(key)!r} there, {new[key]!r} now"
+        for key in IDENTITY
+        if key != "target" and existing.get(key) != new[key]
     ]
+    if not same_target(existing, new):  # by content: another spelling of the model's path is the same target
+        diffs.insert(0, f"target: {existing.get('target')!r} there, {new['target']!r} now (another model)")
     if diffs:
         raise DominoError(
             f"{out} was made with different settings, so this run cannot resume it "

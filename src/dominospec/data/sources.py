@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import DominoError
 from .builtin import builtin_prompts
-from .prompts import Conversation, load_hf_dataset, read_prompt_file
+from .prompts import Conversation, check_prompt_file, load_hf_dataset, read_prompt_file
 from .selfwritten import self_written_prompts
 
 
@@ -57,6 +57,18 @@ def _builtin_count(spec: str, limit: int | None) -> int:
             raise DominoError("--prompts builtin needs a size: builtin:N, or pass --limit N")
         return limit
     return _count(spec)
+
+
+def check_prompt_specs(specs: list[str]) -> None:
+    """Every --prompts value well-formed (builtin:N / self:N counts, files that exist), before anything loads."""
+    for spec in specs:
+        if spec.startswith(("builtin:", "self:")):
+            _count(spec)
+        elif spec.startswith("hf:"):
+            if not spec[3:].partition(":")[0]:
+                raise DominoError(f"--prompts {spec!r}: expected hf:NAME[:SPLIT]")
+        elif spec != "builtin":
+            check_prompt_file(spec)
 
 
 def is_self_written(specs: list[str]) -> bool:
