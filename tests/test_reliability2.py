@@ -152,6 +152,23 @@ def test_an_add_waits_for_the_data_sets_lock(char_model, dataset, tmp_path):
     assert done and done[0]["name"] == "part-001"
 
 
+def test_reading_a_data_set_waits_for_an_add_in_progress(dataset, tmp_path):
+    """Protects: train never sees a part renamed into place but not yet in the manifest."""
+    import threading
+
+    from dominospec.io import exclusive_lock
+
+    ds = copy_dataset(dataset, tmp_path / "ds")
+    loaded = []
+    with exclusive_lock(ds, "test"):
+        reader = threading.Thread(target=lambda: loaded.append(load_dataset_dir(ds)))
+        reader.start()
+        reader.join(1.0)
+        assert reader.is_alive() and not loaded
+    reader.join(30)
+    assert loaded and loaded[0][1]
+
+
 def test_parts_are_built_under_a_unique_temporary_name(char_model, dataset, tmp_path, monkeypatch):
     """Protects: a part is written as .part-NNN.tmpPID and renamed whole; a killed add's leftovers are cleared."""
     from dominospec.data import extend
@@ -615,3 +632,11 @@ def test_a_refused_run_leaves_no_empty_out_behind(tmp_path, capsys):
     rc, err = run_cli(capsys, *prepare_args(NOWHERE, prompts, out))  # refused only when the target fails to load
     assert rc == 2 and "no such directory" in err
     assert not (tmp_path / "new").exists()
+
+
+def test_profile_checks_its_cache_is_writable_before_loading(tmp_path, capsys, monkeypatch):
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(blocked))
+    rc, err = run_cli(capsys, "profile", "--target", NOWHERE, "--no-draft")
+    assert rc == 2 and f"the profile cache (DOMINOSPEC_CACHE) {blocked / 'profiles'} is not writable" in err, err

@@ -115,6 +115,25 @@ def exclusive_lock(directory: str | os.PathLike, what: str, wait: bool = False, 
 _CREATED: list[Path] = []  # directories ensure_writable_dir made in this process, outermost first
 
 
+@contextmanager
+def shared_lock(directory: str | os.PathLike) -> Iterator[None]:
+    """Read DIR while no exclusive_lock holder writes it (waits for one to finish); readers share.
+
+    Needs no write access: without a DIR/.lock nobody has ever written under the lock.
+    """
+    lock = Path(directory) / ".lock"
+    try:
+        import fcntl
+
+        handle = open(lock)  # noqa: SIM115 (held for the duration)
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        yield
+
+
 def ensure_writable_dir(directory: str | os.PathLike, flag: str = "--out") -> Path:
     """Create `directory` if needed and prove a file can be written there, before any work starts.
 

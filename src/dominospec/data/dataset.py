@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from ..errors import DominoError
-from ..io import json_field, read_json_object
+from ..io import json_field, read_json_object, shared_lock
 from ..log import log
 from .store import (
     SHARD_NAME,
@@ -68,7 +68,8 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
     """
     d = Path(data_dir)
     if is_dataset(d):
-        return _load_parts(d, target, allow_other_target)
+        with shared_lock(d):  # an add in progress finishes first
+            return _load_parts(d, target, allow_other_target)
     meta = read_meta(d)
     if meta is None:
         raise DominoError(

@@ -40,7 +40,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..errors import DominoError
-from ..io import ensure_writable_dir, exclusive_lock, is_temporary, write_json_atomic, write_lines_atomic
+from ..io import (
+    ensure_writable_dir,
+    exclusive_lock,
+    is_temporary,
+    read_json_object,
+    write_json_atomic,
+    write_lines_atomic,
+)
 from ..log import log
 from ..sampling import check_sampling
 from ..target.context import cap_new_tokens, encode_if_fits, prompt_too_long
@@ -347,7 +354,8 @@ def _stats_path(out: Path, k: int) -> Path:
 def _sum_shard_stats(out: Path, n_shards: int) -> dict:
     total = Counter()
     for k in range(n_shards):
-        total.update(json.loads(_stats_path(out, k).read_text()))
+        stats = read_json_object(_stats_path(out, k), "a shard's counts")
+        total.update({key: v for key, v in stats.items() if isinstance(v, int) and not isinstance(v, bool)})
     keys = (
         "conversations",
         "samples",

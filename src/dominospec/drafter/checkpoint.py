@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DominoError
-from ..io import atomic_path, ensure_writable_dir, write_atomic
+from ..io import atomic_path, ensure_writable_dir, read_json_object, write_atomic
 from ..log import log
 from .config import FORMAT, DrafterConfig
 
@@ -85,12 +85,7 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[DrafterConfig, dict[s
         raise DominoError(f"drafter {d}: missing {CONFIG_NAME}")
     if not w_path.exists():
         raise DominoError(f"drafter {d}: missing {WEIGHTS_NAME}")
-    try:
-        data = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DominoError(f"{cfg_path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    if not isinstance(data, dict):
-        raise DominoError(f"{cfg_path}: expected a JSON object, got {type(data).__name__}")
+    data = read_json_object(cfg_path, "a drafter config")
     config = DrafterConfig.from_dict(data, source=str(cfg_path))
     try:
         state = load_file(str(w_path))
