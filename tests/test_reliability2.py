@@ -592,7 +592,7 @@ def test_init_from_layer_names_the_value_given():
     def drafter():
         return Drafter.for_target(target, head="none", num_layers=2, block_size=2)
 
-    message = r"--init-from-layer 3: the drafter's 2 layer\(s\) would copy target layers 3..4"
+    message = r"--init-from-layer 3 is out of range: the drafter's 2 layer\(s\) would copy target layers 3..4,"
     with pytest.raises(DominoError, match=message):
         init_from_target_layer(drafter(), target, 3)
     assert init_from_target_layer(drafter(), target, 2)  # control: layers 2..3 fit

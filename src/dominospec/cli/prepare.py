@@ -88,8 +88,8 @@ def add_parser(sub) -> None:
         metavar="DATASET",
         help="when the run is complete, add it to this data set (created if new) as its next compact part "
         "(uint16 token ids in compressed shards, the prompts, a manifest); earlier parts stay byte "
-        "for byte as they were, and a run made by another target or tokenizer is refused. "
-        "`train --data DATASET` reads every part",
+        "for byte as they were, and a run made by another target or tokenizer is refused. Runs extending "
+        "one data set at once take turns (DATASET/.lock). `train --data DATASET` reads every part",
     )
     p.add_argument("--limit", type=int, default=None, help="keep the first N conversations overall")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default %(default)s)")
