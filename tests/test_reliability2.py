@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 from conftest import save_char_model
 
+import dominospec
 from dominospec import DominoError, cli
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.data.store import read_manifest
 
 CONTEXT = 64
 NOWHERE = "/nonexistent/target-that-must-not-load"  # an argument error must be reported before this loads
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(dominospec.__file__).resolve().parents[1]  # the dominospec these tests import, for subprocesses
 
 
 @pytest.fixture(scope="module")
@@ -640,3 +641,26 @@ def test_profile_checks_its_cache_is_writable_before_loading(tmp_path, capsys, m
     monkeypatch.setenv("DOMINOSPEC_CACHE", str(blocked))
     rc, err = run_cli(capsys, "profile", "--target", NOWHERE, "--no-draft")
     assert rc == 2 and f"the profile cache (DOMINOSPEC_CACHE) {blocked / 'profiles'} is not writable" in err, err
+
+
+def test_self_written_questions_are_kept_for_a_resumed_run(tmp_path, monkeypatch):
+    """Protects: resuming a self:N run reuses the target's questions instead of writing them again."""
+    from types import SimpleNamespace
+
+    from dominospec.data import sources
+    from dominospec.data.prompts import Conversation
+
+    calls = []
+
+    def write(target, n, seed, report=None):
+        calls.append(n)
+        return [Conversation((f"question {i} of {seed}",), f"self-chat:{i}") for i in range(n)]
+
+    monkeypatch.setattr(sources, "self_written_prompts", write)
+    target = SimpleNamespace(name="t")
+    first, _ = sources.load_prompts(["self:3"], seed=5, target=target, keep_in=tmp_path)
+    said = []
+    again, _ = sources.load_prompts(["self:3"], seed=5, target=target, keep_in=tmp_path, report=said.append)
+    assert calls == [3] and again == first and "kept in" in said[0]
+    sources.load_prompts(["self:3"], seed=5, target=SimpleNamespace(name="other"), keep_in=tmp_path)
+    assert calls == [3, 3]  # another target writes its own

@@ -45,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # output piped into `head` and the reader left: stop quietly, and keep Python from
         # complaining again when it flushes stdout at exit
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout replaced by something without a descriptor
+            pass
         return 141
 
 

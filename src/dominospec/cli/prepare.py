@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..data.extend import add_part, check_extendable
 from ..data.prepare import SHARD_BATCHES, ChatCodec, PrepareConfig, fit_to_context, prepare_data
 from ..data.sources import check_prompt_specs, is_self_written, load_prompts
@@ -33,7 +35,13 @@ def cmd_prepare(args) -> int:
     if is_self_written(args.prompts):  # the target writes some prompts itself: load it first
         target = target_from_args(args)
     conversations, sources = load_prompts(
-        args.prompts, seed=args.seed, limit=args.limit, on_error=args.on_error, report=log, target=target
+        args.prompts,
+        seed=args.seed,
+        limit=args.limit,
+        on_error=args.on_error,
+        report=log,
+        target=target,
+        keep_in=Path(args.out),
     )
     turns = sum(len(c.turns) for c in conversations)
     log(f"{len(conversations)} conversations ({turns} user turns) from {len(sources)} source(s)")

@@ -422,8 +422,13 @@ def _check_same_run(existing: dict, new: dict, out: Path) -> None:
         )
 
 
+def _ours(p: Path) -> bool:
+    """Files a run puts in OUT before its meta.json: the lock, the self-written questions."""
+    return p.name == ".lock" or p.name.startswith(".self-prompts-")
+
+
 def _check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise DominoError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and not (out / "meta.json").exists() and any(p.name != ".lock" for p in out.iterdir()):
+    if out.is_dir() and not (out / "meta.json").exists() and any(not _ours(p) for p in out.iterdir()):
         raise DominoError(f"--out {out} is not empty and holds no meta.json; refusing to write data there")

@@ -6,17 +6,25 @@ import hashlib
 from pathlib import Path
 
 from ..errors import DominoError
+from ..io import read_json_object, write_json_atomic
 from .builtin import builtin_prompts
 from .prompts import Conversation, check_prompt_file, load_hf_dataset, read_prompt_file
 from .selfwritten import self_written_prompts
 
 
 def load_prompts(
-    specs: list[str], seed: int = 0, limit: int | None = None, on_error: str = "skip", report=None, target=None
+    specs: list[str],
+    seed: int = 0,
+    limit: int | None = None,
+    on_error: str = "skip",
+    report=None,
+    target=None,
+    keep_in: Path | None = None,
 ) -> tuple[list[Conversation], list[dict]]:
     """Resolve --prompts values (FILE, builtin[:N], self:N, hf:NAME[:SPLIT]) into conversations and source records.
 
-    self:N (prompts the target writes itself) needs `target`.
+    self:N (prompts the target writes itself) needs `target`; with `keep_in` (the run's output
+    directory) the questions are kept there and reused when the run is resumed, not written again.
     Sources are concatenated in the order given; `limit` keeps the first N conversations overall.
     """
     conversations, sources, names = [], [], set()
@@ -28,7 +36,7 @@ def load_prompts(
             if target is None:
                 raise DominoError(f"--prompts {spec}: prompts written by the target need the target loaded")
             n = _count(spec)
-            convs = self_written_prompts(target, n, seed, report=report)
+            convs = _self_written(target, n, seed, report, keep_in)
             record = {"spec": spec, "kind": "self", "seed": seed}
         elif spec.startswith("hf:"):
             name, _, split = spec[3:].partition(":")
@@ -49,6 +57,30 @@ def load_prompts(
         dup = next(i for i in ids if ids.count(i) > 1)
         raise DominoError(f"conversation id {dup!r} appears twice: give each prompt source once")
     return conversations, sources
+
+
+SELF_PROMPTS_PREFIX = ".self-prompts-"  # OUT/.self-prompts-N-seedS.json: a run's self-written questions
+
+
+def _self_written(target, n: int, seed: int, report, keep_in: Path | None) -> list[Conversation]:
+    if keep_in is None:
+        return self_written_prompts(target, n, seed, report=report)
+    path = Path(keep_in) / f"{SELF_PROMPTS_PREFIX}{n}-seed{seed}.json"
+    who = getattr(target, "fingerprint", None) or target.name
+    if path.exists():
+        try:
+            kept = read_json_object(path)
+            convs = [Conversation(tuple(c["turns"]), c["id"]) for c in kept["conversations"]]
+        except (DominoError, KeyError, TypeError):
+            kept, convs = {}, []  # damaged: written again
+        if kept.get("target") == who and convs:
+            if report:
+                report(f"self:{n}: the {len(convs)} questions the target wrote for this run, kept in {path}")
+            return convs
+    convs = self_written_prompts(target, n, seed, report=report)
+    conversations = [{"id": c.id, "turns": list(c.turns)} for c in convs]
+    write_json_atomic(path, {"target": who, "conversations": conversations})
+    return convs
 
 
 def _builtin_count(spec: str, limit: int | None) -> int:
