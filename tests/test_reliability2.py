@@ -664,3 +664,16 @@ def test_self_written_questions_are_kept_for_a_resumed_run(tmp_path, monkeypatch
     assert calls == [3] and again == first and "kept in" in said[0]
     sources.load_prompts(["self:3"], seed=5, target=SimpleNamespace(name="other"), keep_in=tmp_path)
     assert calls == [3, 3]  # another target writes its own
+
+
+def test_a_damaged_jsonl_shard_is_named(char_model, tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi", "ok"])
+    assert run_cli(capsys, *prepare_args(char_model, prompts, tmp_path / "run"))[0] == 0
+    shard = tmp_path / "run" / "samples-00000.jsonl"
+    shard.write_bytes(shard.read_bytes()[:20] + b"\xff\xfe" + shard.read_bytes()[20:])
+    with pytest.raises(DominoError, match=f"{shard}:1: not UTF-8 text"):
+        load_dataset_dir(tmp_path / "run")
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(DominoError, match=f"{shard} is not a file"):
+        load_dataset_dir(tmp_path / "run")

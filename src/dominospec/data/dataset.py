@@ -130,9 +130,15 @@ def iter_shard(path: Path, vocab_size: int):
 
 
 def _read_jsonl(path: Path, vocab_size: int):
-    with path.open(encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
+    if not path.is_file():
+        raise DominoError(f"{path} is not a file (a shard of samples is a JSONL file)")
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DominoError(f"{where}: not UTF-8 text (byte {exc.start + 1} of the line); damaged?") from None
             yield where, _parse_sample(line, vocab_size, where)
 
 
