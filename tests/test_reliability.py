@@ -564,11 +564,13 @@ def test_bad_arguments_exit_2_naming_the_flag_before_any_model_loads(argv, messa
 
 def test_data_written_by_another_target_is_refused_unless_allowed(char_model, char_data):
     same = Target.load(str(char_model), device="cpu")
-    other = Target(same.model, same.tokenizer, name="another-model")  # same tokenizer, another name
+    # same config and tokenizer, other weights: another target (a target is known by its content)
+    other_dir = save_char_model(char_model.parent / "another-model", CONTEXT, seed=1)
+    other = Target.load(str(other_dir), device="cpu")
     with pytest.raises(
         DominoError,
         match=rf"data {char_data} was written by target '{char_model}', but this run "
-        r"trains for target 'another-model'.*--allow-other-target",
+        rf"trains for target '{other_dir}'.*--allow-other-target",
     ):
         load_dataset_dir(char_data, other)
     assert load_dataset_dir(char_data, other, allow_other_target=True)[1]

@@ -38,8 +38,8 @@ def read_meta(data_dir: Path) -> dict | None:
     if meta.get("format") != FORMAT:
         raise DominoError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
     json_field(meta, "vocab_size", int, str(path))
-    if meta.get("complete"):
-        counts = json_field(meta, "counts", dict, str(path))
+    counts = json_field(meta, "counts", dict, str(path), optional=True)
+    if counts is not None:
         json_field(counts, "samples", int, f"{path} counts")
     return meta
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import DominoError
-from ..io import ensure_writable_dir, exclusive_lock, is_temporary, write_json_atomic
+from ..io import ensure_writable_dir, exclusive_lock, is_temporary, json_field, write_json_atomic
 from .dataset import iter_shard, read_meta, same_target, target_record
 from .prompts import prompts_fingerprint
 from .store import (
@@ -47,6 +47,7 @@ def add_part(dataset: str | Path, run_dir: str | Path, conversations=None, exist
         raise DominoError(
             f"the prompts given for {run_dir} are not the ones it was made from (prompt fingerprint differs)"
         )
+    json_field(meta, "counts", dict, str(run_dir / "meta.json"))  # a part records its run's counts
     run_sha256 = run_fingerprint(run_dir)
     ensure_writable_dir(dataset, "--extend")
     with exclusive_lock(dataset, "prepare-data --extend", wait=True, report=report):
