@@ -67,7 +67,7 @@ def test_damaged_checkpoints_give_clear_errors(tmp_path, qwen3_target):
     good_cfg = (d / "config.json").read_text()
 
     (d / "config.json").write_text(good_cfg.replace('"head": "domino"', '"head": "domino",,'))
-    with pytest.raises(DominoError, match=r"config.json: invalid JSON at line \d+"):
+    with pytest.raises(DominoError, match=r"config.json is not valid JSON \(a drafter config\): .* at line \d+"):
         Drafter.from_pretrained(d)
     (d / "config.json").write_text(good_cfg.replace('"head": "domino"', '"head": "lstm"'))
     with pytest.raises(DominoError, match=r"head 'lstm' is not one of"):

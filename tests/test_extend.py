@@ -30,7 +30,7 @@ def digests(d: Path) -> dict:
     return {
         str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(d.rglob("*"))
-        if p.is_file() and p.name != "manifest.json"
+        if p.is_file() and p.name not in ("manifest.json", ".lock")
     }
 
 

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHAR_CONTEXT, run_cli, run_cli_json, synthetic_samples, tiny_drafter, write_prompts
+from conftest import (
+    CHAR_CONTEXT,
+    run_cli,
+    run_cli_json,
+    save_char_model,
+    synthetic_samples,
+    tiny_drafter,
+    write_prompts,
+)
 
 import dominospec
 from dominospec import (
@@ -540,11 +548,13 @@ def test_bad_arguments_exit_2_naming_the_flag_before_any_model_loads(argv, messa
 
 def test_data_written_by_another_target_is_refused_unless_allowed(char_model, char_data):
     same = Target.load(str(char_model), device="cpu")
-    other = Target(same.model, same.tokenizer, name="another-model")  # same tokenizer, another name
+    # same config and tokenizer, other weights: another target (a target is known by its content)
+    other_dir = save_char_model(char_model.parent / "another-model", CHAR_CONTEXT, seed=1)
+    other = Target.load(str(other_dir), device="cpu")
     with pytest.raises(
         DominoError,
         match=rf"data {char_data} was written by target '{char_model}', but this run "
-        r"trains for target 'another-model'.*--allow-other-target",
+        rf"trains for target '{other_dir}'.*--allow-other-target",
     ):
         load_dataset_dir(char_data, other)
     assert load_dataset_dir(char_data, other, allow_other_target=True)[1]

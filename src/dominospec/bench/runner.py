@@ -285,9 +285,14 @@ def load_prompt_sets(paths: Sequence[str], target, limit: int | None = None, rep
     return datasets
 
 
-def save_acceptance(results: dict, methods: Sequence[Method]) -> list[Path]:
+def save_acceptance(results: dict, methods: Sequence[Method], report=None) -> list[Path]:
     """Write each drafter's conditional acceptance by position (greedy, full block, head on) into its
-    directory as acceptance.json: what --block-size auto reads until training validation provides it."""
+    directory as acceptance.json: what --block-size auto reads until training validation provides it.
+
+    A method that measured no draft cycle writes nothing (it would tell --block-size auto that
+    every draft fails); each drafter left unwritten is said through `report`, with the reason.
+    """
+    report = report or log
     written = []
     for m in methods:
         d = m.drafter
@@ -302,6 +307,10 @@ def save_acceptance(results: dict, methods: Sequence[Method]) -> list[Path]:
             continue
         summary = results["methods"][m.name]
         if results["config"]["temperature"] != 0 or summary["block_size"] != d.config.block_size:
+            report(f"{m.name}: no {ACCEPTANCE_NAME} written (needs a greedy run at the drafter's own block size)")
+            continue
+        if not summary.get("cycles"):
+            report(f"{m.name}: no {ACCEPTANCE_NAME} written: the run measured no draft cycle (answers too short?)")
             continue
         path = sidecar_path(d, ACCEPTANCE_NAME)
         cond = [p if p is not None else 0.0 for p in summary["accept_conditional"]]

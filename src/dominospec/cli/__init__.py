@@ -19,6 +19,7 @@ import os
 import sys
 
 from ..errors import DominoError
+from ..io import forget_created_dirs, remove_unused_dirs
 from ..version import __version__
 from . import bench, calibrate, custom_generate, export, generate, init, loadtest, prepare, profile, serve, train
 
@@ -40,14 +41,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
+    forget_created_dirs()
     try:
         return int(args.func(args) or 0)
     except DominoError as exc:
+        remove_unused_dirs()  # a refused run leaves no empty --out behind
         print(f"dominospec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dominospec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # output piped into `head` and the reader left: stop quietly, and keep Python from
+        # complaining again when it flushes stdout at exit
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout replaced by something without a descriptor
+            pass
+        return 141
 
 
 if __name__ == "__main__":

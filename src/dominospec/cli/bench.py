@@ -21,10 +21,12 @@ from ..bench.runner import (
 )
 from ..data.prompts import check_prompt_file
 from ..decode.cost import auto_block_size, profile_verify_cost
+from ..drafter.checkpoint import ACCEPTANCE_NAME, is_shipped, sidecar_path
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
 from .common import (
+    LOOKUP,
     add_sampling_args,
     add_target_args,
     add_verify_args,
@@ -62,6 +64,13 @@ def cmd_bench(args) -> int:
     for p in args.prompts:
         check_prompt_file(p)
     sampling = sampling_from_args(args)
+    if LOOKUP in args.drafter:
+        raise DominoError(
+            "bench takes no --drafter lookup: prompt lookup alone is the `lookup` method "
+            "(--methods ar,lookup), and `hybrid` pairs it with each drafter"
+        )
+    if args.save_acceptance:
+        _check_save_acceptance_args(args, groups, verify, sampling)
     out = ensure_writable_dir(args.out)  # a benchmark's results are never lost to a bad --out
     target = target_from_args(args)
     warn_if_reduced_precision(target)
@@ -106,6 +115,8 @@ def cmd_bench(args) -> int:
     )
     for n in notes:
         log(n)
+    if args.save_acceptance:
+        _check_acceptance_destinations(drafters, block_size, args.into_package)
     datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
     log(
         f"benchmarking {', '.join(m.name for m in methods)} on "
@@ -135,11 +146,13 @@ def cmd_bench(args) -> int:
                 f"MISMATCH {x['method']}: {x['dataset']} prompt {x['prompt_index']} differs from ar at token "
                 f"{x['first_diff']}"
             )
-    if args.save_acceptance:
-        for path in save_acceptance(results, methods):
-            log(f"wrote {path} (read by --block-size auto)")
+    saved = save_acceptance(results, methods, report=log) if args.save_acceptance else []
+    for path in saved:
+        log(f"wrote {path} (read by --block-size auto)")
     print(format_method_table(results["methods"]))
     log(f"wrote {out / 'results.json'} and {out / 'report.md'}")
+    if args.save_acceptance and not saved:
+        raise DominoError(f"--save-acceptance: no {ACCEPTANCE_NAME} was written (see the reasons above)")
     bad = {n: m["not_near_tie"] for n, m in results["methods"].items() if m.get("not_near_tie")}
     if bad:
         raise DominoError(
@@ -163,6 +176,44 @@ def _bench_concurrency(args, target, levels, policies, sampling, out) -> int:
     print(format_concurrency_table(results))
     log("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _check_save_acceptance_args(args, groups, verify, sampling) -> None:
+    """--save-acceptance records greedy, full-block, every-draft runs: refuse what would write nothing."""
+    why = []
+    if sampling.temperature != 0:
+        why.append(f"it needs greedy runs (--temperature 0), not --temperature {args.temperature}")
+    if "fixed" not in verify:
+        why.append(f"it needs the `fixed` verify policy in --verify (got {','.join(verify)})")
+    if "drafters" not in groups:
+        why.append("it needs the `drafters` group in --methods")
+    if not args.prompts:
+        why.append("it needs --prompts to run the drafters on")
+    if why:
+        raise DominoError("--save-acceptance would write nothing: " + "; ".join(why))
+
+
+def _check_acceptance_destinations(drafters, block_size, into_package: bool) -> None:
+    """Before the benchmark: each drafter's acceptance.json can be written, and is allowed to be."""
+    if not drafters:
+        raise DominoError("--save-acceptance: no drafter to measure (pass --drafter DIR)")
+    for source, d in drafters:
+        directory = sidecar_path(d, ACCEPTANCE_NAME).parent
+        b = block_size.get(source) if isinstance(block_size, dict) else block_size
+        if b is not None and b != d.config.block_size:
+            raise DominoError(
+                f"--save-acceptance: {source} would run at block size {b}, not its own {d.config.block_size}; "
+                "acceptance.json records the full block (drop --block-size)"
+            )
+        if is_shipped(directory) and not into_package:
+            raise DominoError(
+                f"--save-acceptance would write into the installed package ({directory}); copy the drafter "
+                f"(cp -r {directory} my-drafter) and pass --drafter my-drafter, or pass --into-package"
+            )
+        ensure_writable_dir(directory, "--save-acceptance: drafter directory")
+        existing = directory / ACCEPTANCE_NAME
+        if existing.exists() and not existing.is_file():
+            raise DominoError(f"--save-acceptance: {existing} exists and is not a file")
 
 
 def add_parser(sub) -> None:
@@ -211,7 +262,14 @@ def add_parser(sub) -> None:
         "--save-acceptance",
         action="store_true",
         help="write each drafter's measured conditional acceptance by position into its directory "
-        "(acceptance.json, what --block-size auto reads); needs greedy runs at the full block size",
+        "(acceptance.json, what --block-size auto reads); needs greedy runs (--temperature 0) with the "
+        "drafters group, the fixed policy and each drafter's own block size, all checked before the run; "
+        "a drafter that measured no cycle is not written",
+    )
+    p.add_argument(
+        "--into-package",
+        action="store_true",
+        help="let --save-acceptance write into the shipped drafter inside the installed package (refused by default)",
     )
     add_verify_args(p, several=True)
     add_sampling_args(p)

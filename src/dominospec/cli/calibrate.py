@@ -7,8 +7,9 @@ from pathlib import Path
 from ..bench.report import plot_reliability
 from ..bench.runner import load_prompt_sets
 from ..data.prompts import check_prompt_file
-from ..decode.calibrate import calibrate, format_calibration, write_calibration
+from ..decode.calibrate import calibrate, format_calibration, overall_ece, previous_cycles, write_calibration
 from ..drafter import Drafter
+from ..drafter.checkpoint import CALIBRATION_NAME, is_shipped
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
@@ -25,6 +26,11 @@ def cmd_calibrate(args) -> int:
     sampling = sampling_from_args(args)
     if not Path(args.drafter).is_dir():
         raise DominoError(f"--drafter {args.drafter} is not a directory (a drafter made by `dominospec init/train`)")
+    if is_shipped(args.drafter) and not args.into_package:
+        raise DominoError(
+            f"--drafter {args.drafter} is the shipped drafter inside the installed package; copy it "
+            f"(cp -r {args.drafter} my-drafter) and calibrate the copy, or pass --into-package"
+        )
     out = ensure_writable_dir(args.drafter, "--drafter")
     target = target_from_args(args)
     drafter = Drafter.from_pretrained(args.drafter, target=target)
@@ -41,8 +47,21 @@ def cmd_calibrate(args) -> int:
     )
     result = calibrate(target, drafter, prompts, args.max_new_tokens, sampling, args.seed)
     result["prompt_files"] = [str(p) for p in args.prompts]
-    path = write_calibration(out, result)
     print(format_calibration(result))
+    raw, calibrated = overall_ece(result)
+    if raw is not None:
+        log(
+            f"ECE over all positions (weighted by cycles): raw {100 * raw:.1f}%, calibrated {100 * calibrated:.1f}%"
+            + (" (worse than raw: too few cycles to fit?)" if calibrated > raw else "")
+        )
+    before = previous_cycles(out)
+    if before is not None and result["cycles"] < before and not args.force:
+        log(
+            f"kept {out / CALIBRATION_NAME}: it rests on {before} cycles, this fit on only {result['cycles']} "
+            "(more prompts or --max-new-tokens give more; --force replaces it anyway)"
+        )
+        return 0
+    path = write_calibration(out, result)
     log(f"wrote {path} (read by --verify static|cost)")
     if not args.no_plots:
         if plot_reliability(result, out / "calibration.png"):
@@ -60,7 +79,8 @@ def add_parser(sub) -> None:
         "verified; record each slot's confidence logit and whether the drafts up to it survived; fit "
         "one temperature per block position (STS) so the survival products are calibrated. Writes "
         "calibration.json (temperatures, ECE and AUROC per position before and after, the prompts' "
-        "fingerprint) and calibration.png next to the drafter.",
+        "fingerprint) and calibration.png next to the drafter. An existing calibration.json that rests on "
+        "more cycles than the new fit is kept unless --force.",
     )
     p.add_argument("--drafter", required=True, metavar="DIR", help="drafter directory with a confidence head")
     p.add_argument(
@@ -75,4 +95,14 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default %(default)s)")
     add_sampling_args(p)
     p.add_argument("--no-plots", action="store_true", help="do not draw calibration.png")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing calibration.json even when it rests on more cycles than this fit",
+    )
+    p.add_argument(
+        "--into-package",
+        action="store_true",
+        help="allow calibrating the shipped drafter inside the installed package (refused by default)",
+    )
     p.set_defaults(func=cmd_calibrate)

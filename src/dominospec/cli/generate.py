@@ -27,6 +27,10 @@ from .common import (
 
 def cmd_generate(args) -> int:
     # arguments first: a mistake is reported before any model loads
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes the shell passed that are not UTF-8 (kept as surrogates)
+        raise DominoError(f"PROMPT is not UTF-8 text (an undecodable byte at character {exc.start})") from None
     if not args.prompt.strip():
         raise DominoError('PROMPT is empty: give the message to answer, e.g. dominospec generate "Hello"')
     require_at_least(args, 1, "max_new_tokens", *(["block_size"] if args.block_size != "auto" else []))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..data.extend import add_part, check_extendable
-from ..data.prepare import SHARD_BATCHES, PrepareConfig, prepare_data
-from ..data.sources import is_self_written, load_prompts
+from ..data.prepare import SHARD_BATCHES, ChatCodec, PrepareConfig, fit_to_context, prepare_data
+from ..data.sources import check_prompt_specs, is_self_written, load_prompts
 from ..data.store import read_manifest
-from ..io import ensure_writable_dir
+from ..io import check_free_space, ensure_writable_dir
 from ..log import log
 from .common import add_target_args, require_at_least, target_from_args
 
@@ -25,29 +27,48 @@ def cmd_prepare(args) -> int:
         enable_thinking=args.enable_thinking,
     )
     require_at_least(args, 1, "limit")
+    check_prompt_specs(args.prompts)
     ensure_writable_dir(args.out)
     if args.extend:
+        check_extendable(args.extend)  # a damaged manifest or a folder of other things: refused before any work
         ensure_writable_dir(args.extend, "--extend")
     target = None
     if is_self_written(args.prompts):  # the target writes some prompts itself: load it first
         target = target_from_args(args)
     conversations, sources = load_prompts(
-        args.prompts, seed=args.seed, limit=args.limit, on_error=args.on_error, report=log, target=target
+        args.prompts,
+        seed=args.seed,
+        limit=args.limit,
+        on_error=args.on_error,
+        report=log,
+        target=target,
+        keep_in=Path(args.out),
     )
     turns = sum(len(c.turns) for c in conversations)
     log(f"{len(conversations)} conversations ({turns} user turns) from {len(sources)} source(s)")
+    # a full disk found now, not after hours of generation: about 8 bytes per JSONL token, a quarter compacted
+    need = len(conversations) * (cfg.max_new_tokens + 512) * 8
+    check_free_space(args.out, need)
+    if args.extend:
+        check_free_space(args.extend, need // 4, "--extend")
     target = target or target_from_args(args)
     if args.extend:
         check_extendable(args.extend, target)
     prepare_data(target, conversations, args.out, cfg, sources=sources, on_error=args.on_error)
     if args.extend:
-        entry = add_part(args.extend, args.out, conversations, exist_ok=True)
+        # the run was made from the prompts that fit the context; those are the ones its part records
+        kept, _ = fit_to_context(conversations, ChatCodec.for_target(target), target.max_positions, report=_quiet)
+        entry = add_part(args.extend, args.out, kept, exist_ok=True, report=log)
         total = read_manifest(args.extend)["counts"]
         log(
             f"{args.extend}: {entry['name']} holds this run ({entry['counts']['samples']} samples); the data set now "
             f"has {total['samples']} samples, {total['tokens']} tokens ({total['supervised_tokens']} supervised)"
         )
     return 0
+
+
+def _quiet(_message: str) -> None:
+    """prepare_data already reported the prompts it left out."""
 
 
 def add_parser(sub) -> None:
@@ -77,8 +98,8 @@ def add_parser(sub) -> None:
         metavar="DATASET",
         help="when the run is complete, add it to this data set (created if new) as its next compact part "
         "(uint16 token ids in compressed shards, the prompts, a manifest); earlier parts stay byte "
-        "for byte as they were, and a run made by another target or tokenizer is refused. "
-        "`train --data DATASET` reads every part",
+        "for byte as they were, and a run made by another target or tokenizer is refused. Runs extending "
+        "one data set at once take turns (DATASET/.lock). `train --data DATASET` reads every part",
     )
     p.add_argument("--limit", type=int, default=None, help="keep the first N conversations overall")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default %(default)s)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..bench.report import format_device_profile, plot_device_profile
 from ..decode.cost import profile_device, save_profile
 from ..errors import DominoError
-from ..io import ensure_writable_dir, write_json_atomic
+from ..io import cache_dir, ensure_writable_dir, write_json_atomic
 from ..log import log
 from .common import add_target_args, resolve_drafter, target_from_args
 
@@ -25,7 +25,15 @@ def cmd_profile(args) -> int:
     if any(r < 1 for r in batch_rows):
         raise DominoError(f"--batch-rows {args.batch_rows!r}: row counts must be >= 1")
     out = ensure_writable_dir(args.out) if args.out else None
+    ensure_writable_dir(cache_dir() / "profiles", "the profile cache (DOMINOSPEC_CACHE)")
     target = target_from_args(args)
+    limit = target.max_positions
+    too_long = [c for c in contexts if limit and c + args.max_k > limit]
+    if too_long:
+        raise DominoError(
+            f"--contexts {','.join(map(str, too_long))}: the target's context of {limit} positions leaves no room "
+            f"for --max-k {args.max_k} new tokens after it (contexts of at most {limit - args.max_k} fit)"
+        )
     drafter = resolve_drafter(target, args.drafter, args.no_draft)
     log(
         f"profiling {target.name} ({target.backend}, {str(target.dtype).replace('torch.', '')}): verify of "

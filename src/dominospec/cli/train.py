@@ -1,0 +1,195 @@
+"""`dominospec train`: train a drafter on prepared data (one process, or under torchrun)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.dataset import check_data_dir
+from ..drafter.checkpoint import read_checkpoint
+from ..errors import DominoError
+from ..export.plan import why_not_exact
+from ..train.run import TrainJob, train_drafter
+from ..train.trainer import TrainConfig
+from .common import (
+    add_arch_args,
+    add_target_args,
+    arch_from_args,
+    check_arch_args,
+    default,
+    target_from_args,
+)
+
+SAVE_DTYPES = {"float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cmd_train(args) -> int:
+    # every number and the output locations are checked before the target or the data load
+    cfg = TrainConfig(
+        max_steps=args.max_steps,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        anchors=args.anchors,
+        lr=args.lr,
+        distill=args.distill,
+        gamma=args.gamma,
+        lambda_start=args.lambda_start,
+        lambda_decay=args.lambda_decay,
+        max_seq_len=args.max_seq_len,
+        seed=args.seed,
+        save_every=args.save_every,
+        val_every=args.val_every,
+        val_anchors=args.val_anchors,
+    )
+    check_arch_args(args)
+    if args.init and args.serve_with:  # --serve-with cannot change a drafter that already exists
+        reason = why_not_exact(read_checkpoint(args.init)[0], args.serve_with)
+        if reason:
+            raise DominoError(f"--init {args.init} does not export exactly to {args.serve_with}: {reason}")
+    check_data_dir(args.data, "--data")  # before the model loads
+    if args.val_data:
+        check_data_dir(args.val_data, "--val-data")
+    job = TrainJob(
+        data=args.data,
+        out=args.out,
+        config=cfg,
+        draft_vocab=args.draft_vocab,
+        init=args.init,
+        init_from_layer=args.init_from_layer,
+        val_data=args.val_data,
+        val_fraction=args.val_fraction,
+        feature_cache=args.feature_cache,
+        resume=args.resume,
+        save_dtype=SAVE_DTYPES[args.save_dtype],
+        allow_other_target=args.allow_other_target,
+    )
+    job.check_outputs()
+    target = target_from_args(args)
+    if not args.init:  # a fresh drafter's shape (--layer-ids also sets the target's feature layers)
+        job.arch = arch_from_args(args, target)
+    train_drafter(target, job)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a drafter on prepared data",
+        description="Train a drafter for TARGET on data from `dominospec prepare-data`, with target "
+        "features computed online. Works under torchrun (DDP: gloo on CPU, NCCL on GPU).",
+    )
+    add_target_args(p)
+    p.add_argument("--data", required=True, help="directory written by prepare-data")
+    p.add_argument(
+        "--allow-other-target",
+        action="store_true",
+        help="train on data written by another target (same tokenizer); normally refused, as a "
+        "drafter learns to predict the model that wrote its data",
+    )
+    p.add_argument("--out", required=True, help="output directory: the drafter, metrics.jsonl, training.png")
+    add_arch_args(p)
+    p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=default(TrainJob, "draft_vocab"),
+        help="score only the N most frequent supervised tokens of the data (0: full vocabulary); "
+        "lossless, and much cheaper per draft on CPU",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=default(TrainConfig, "max_steps"),
+        help="optimiser steps (default: from --epochs)",
+    )
+    p.add_argument("--epochs", type=float, default=default(TrainConfig, "epochs"), help="default %(default)s")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=default(TrainConfig, "batch_size"),
+        help="sequences per step, all processes (default %(default)s)",
+    )
+    p.add_argument(
+        "--anchors",
+        type=int,
+        default=default(TrainConfig, "anchors"),
+        help="blocks per sequence, drawn anew each step; 0: every supervised position (default %(default)s)",
+    )
+    p.add_argument(
+        "--distill",
+        type=float,
+        default=default(TrainConfig, "distill"),
+        help="weight in [0, 1] of the soft-label loss, KL(target || draft) at each block slot on the draft "
+        "vocabulary, mixed with the head's own loss (default %(default)s: token CE only)",
+    )
+    p.add_argument(
+        "--init-from-layer",
+        type=int,
+        default=None,
+        metavar="J",
+        help="start the draft layer(s) from the target's decoder layers J, J+1, ... (fresh drafters only)",
+    )
+    p.add_argument(
+        "--lr", type=float, default=default(TrainConfig, "lr"), help="peak learning rate (default %(default)s)"
+    )
+    p.add_argument(
+        "--gamma",
+        type=float,
+        default=default(TrainConfig, "gamma"),
+        help="position-decay constant (default 7*block/16)",
+    )
+    p.add_argument(
+        "--lambda-start",
+        type=float,
+        default=default(TrainConfig, "lambda_start"),
+        help="domino curriculum start (default %(default)s)",
+    )
+    p.add_argument(
+        "--lambda-decay",
+        type=float,
+        default=default(TrainConfig, "lambda_decay"),
+        help="fraction of the run over which lambda falls to 0 (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=default(TrainConfig, "max_seq_len"),
+        help="samples are cut to this many tokens (or the target's context, if shorter) (default %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=default(TrainConfig, "seed"))
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=default(TrainConfig, "save_every"),
+        help="checkpoint interval in steps (default %(default)s)",
+    )
+    p.add_argument(
+        "--save-dtype",
+        default="float32",
+        choices=list(SAVE_DTYPES),
+        help="dtype of the exported drafter weights (default %(default)s)",
+    )
+    p.add_argument("--feature-cache", default=None, help="cache target features here (fp16) for multi-epoch runs")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=default(TrainJob, "val_fraction"),
+        help="hold out this fraction of the conversations for validation (by id hash, the same in "
+        "every run; at least one; none while fraction x samples < 1) (default %(default)s)",
+    )
+    p.add_argument(
+        "--val-data", default=None, help="validate on this prepare-data directory instead of holding out part of --data"
+    )
+    p.add_argument(
+        "--val-every",
+        type=int,
+        default=default(TrainConfig, "val_every"),
+        help="validation interval in steps, plus the last step (default %(default)s)",
+    )
+    p.add_argument(
+        "--val-anchors",
+        type=int,
+        default=default(TrainConfig, "val_anchors"),
+        help="validation blocks per held-out sample, evenly spaced (0: all) (default %(default)s)",
+    )
+    p.set_defaults(func=cmd_train)

@@ -14,24 +14,49 @@ import json
 from pathlib import Path
 
 from ..errors import DominoError
+from ..io import json_field, read_json_object, shared_lock
 from ..log import log
-from .store import SHARED, check_part_files, is_dataset, read_manifest, read_npz_shard
+from .store import (
+    SHARD_NAME,
+    SHARED,
+    check_no_unlisted_parts,
+    check_part_files,
+    is_dataset,
+    read_manifest,
+    read_npz_shard,
+)
 
 FORMAT = "dominospec-data/1"
 
 
 def read_meta(data_dir: Path) -> dict | None:
+    """DIR/meta.json, checked (None when there is none)."""
     path = data_dir / "meta.json"
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8-sig"))
-    except json.JSONDecodeError as exc:
-        raise DominoError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise DominoError(f"{path}: format {found!r}, expected {FORMAT!r}")
+    meta = read_json_object(path, "a prepare-data meta.json")
+    if meta.get("format") != FORMAT:
+        raise DominoError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    json_field(meta, "vocab_size", int, str(path))
+    counts = json_field(meta, "counts", dict, str(path), optional=True)
+    if counts is not None:
+        json_field(counts, "samples", int, f"{path} counts")
     return meta
+
+
+def check_data_dir(data_dir: str | Path, flag: str = "--data") -> None:
+    """A quick look before any model loads: DIR is a prepare-data directory or data set whose
+    meta.json / manifest.json is sound (the samples are checked when they are read)."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise DominoError(f"{flag} {d}: {'not a directory' if d.exists() else 'no such directory'}")
+    if is_dataset(d):
+        read_manifest(d)
+    elif read_meta(d) is None:
+        raise DominoError(
+            f"{flag} {d} is not a dominospec data directory (no meta.json or manifest.json); make one with "
+            "`dominospec prepare-data`"
+        )
 
 
 def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool = False) -> tuple[dict, list[dict]]:
@@ -43,7 +68,8 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
     """
     d = Path(data_dir)
     if is_dataset(d):
-        return _load_parts(d, target, allow_other_target)
+        with shared_lock(d):  # an add in progress finishes first
+            return _load_parts(d, target, allow_other_target)
     meta = read_meta(d)
     if meta is None:
         raise DominoError(
@@ -74,6 +100,7 @@ def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[d
     manifest = read_manifest(d)
     meta = {
         **{k: manifest.get(k) for k in SHARED},
+        "target_sha256": manifest.get("target_sha256"),
         "format": manifest["format"],
         "complete": True,
         "parts": [p["name"] for p in manifest["parts"]],
@@ -85,10 +112,11 @@ def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[d
     if target is not None:
         _check_target(meta, target, d, allow_other_target)
         vocab_size = target.vocab_size
+    check_no_unlisted_parts(d, manifest)
     samples, seen = [], set()
     for entry in manifest["parts"]:
         check_part_files(d, entry)
-        for path in sorted((d / entry["name"]).glob("samples-*.npz")):
+        for path in sorted(d / entry["name"] / f for f in entry["files"] if SHARD_NAME.fullmatch(f)):
             for n, sample in enumerate(read_npz_shard(path)):
                 sample["id"] = f"{entry['name']}:{sample['id']}"  # ":" keeps "/turn" as the split mark
                 _check_sample(sample, vocab_size, f"{path} sample {n}")
@@ -105,9 +133,15 @@ def iter_shard(path: Path, vocab_size: int):
 
 
 def _read_jsonl(path: Path, vocab_size: int):
-    with path.open(encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
+    if not path.is_file():
+        raise DominoError(f"{path} is not a file (a shard of samples is a JSONL file)")
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise DominoError(f"{where}: not UTF-8 text (byte {exc.start + 1} of the line); damaged?") from None
             yield where, _parse_sample(line, vocab_size, where)
 
 
@@ -130,7 +164,7 @@ def _check_target(meta: dict, target, d: Path, allow_other_target: bool) -> None
             f"data {d} was made with another tokenizer (target {meta['target']!r}, tokenizer "
             f"sha256 {ours[:16]}...) than target {target.name!r} (sha256 {theirs[:16]}...)"
         )
-    if not allow_other_target and not _same_model(meta.get("target"), target.name):
+    if not allow_other_target and not same_target(meta, target):
         raise DominoError(
             f"data {d} was written by target {meta.get('target')!r}, but this run trains for target "
             f"{target.name!r}: a drafter learns to predict the model that wrote its data. Make data "
@@ -139,11 +173,26 @@ def _check_target(meta: dict, target, d: Path, allow_other_target: bool) -> None
         )
 
 
-def _same_model(recorded: str | None, name: str) -> bool:
+def same_target(recorded: dict, target) -> bool:
+    """A record (meta.json, manifest) names `target` (a Target or another record): the same content
+    fingerprint where both have one, else the same name or two spellings of one model directory."""
+    other = target if isinstance(target, dict) else target_record(target)
+    a, b = recorded.get("target_sha256"), other.get("target_sha256")
+    if a and b:
+        return a == b
+    return _same_model(recorded.get("target"), other.get("target"))
+
+
+def target_record(target) -> dict:
+    """How data records its target: the name it was loaded under, and its content fingerprint."""
+    return {"target": target.name, "target_sha256": getattr(target, "fingerprint", None)}
+
+
+def _same_model(recorded: str | None, name: str | None) -> bool:
     """The same name, or two spellings of the same model directory."""
     if recorded == name:
         return True
-    if recorded is None:
+    if recorded is None or name is None:
         return False
     a, b = Path(recorded), Path(name)
     return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()

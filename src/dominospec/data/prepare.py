@@ -41,12 +41,19 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..errors import DominoError
-from ..io import ensure_writable_dir, exclusive_lock, is_temporary, write_json_atomic, write_lines_atomic
+from ..io import (
+    ensure_writable_dir,
+    exclusive_lock,
+    is_temporary,
+    read_json_object,
+    write_json_atomic,
+    write_lines_atomic,
+)
 from ..log import log
 from ..sampling import check_sampling
 from ..target.context import cap_new_tokens, encode_if_fits, prompt_too_long
 from ..version import __version__
-from .dataset import FORMAT, read_meta
+from .dataset import FORMAT, read_meta, same_target, target_record
 from .prompts import Conversation, prompts_fingerprint
 
 SHARD_BATCHES = 8  # default shard size, in batches: a crash costs at most one shard of work
@@ -349,7 +356,8 @@ def _stats_path(out: Path, k: int) -> Path:
 def _sum_shard_stats(out: Path, n_shards: int) -> dict:
     total = Counter()
     for k in range(n_shards):
-        total.update(json.loads(_stats_path(out, k).read_text()))
+        stats = read_json_object(_stats_path(out, k), "a shard's counts")
+        total.update({key: v for key, v in stats.items() if isinstance(v, int) and not isinstance(v, bool)})
     keys = (
         "conversations",
         "samples",
@@ -383,7 +391,7 @@ IDENTITY = (
 def _new_meta(target, codec: ChatCodec, cfg: PrepareConfig, conversations, sources) -> dict:
     return {
         "format": FORMAT,
-        "target": target.name,
+        **target_record(target),
         "vocab_size": target.vocab_size,
         "tokenizer_sha256": codec.tokenizer_sha256,
         "chat_template_sha256": codec.chat_template_sha256,
@@ -407,7 +415,11 @@ _DEFAULTS = {f.name: f.default for f in fields(PrepareConfig)}
 
 def _check_same_run(existing: dict, new: dict, out: Path) -> None:
     old = {key: existing.get(key, _DEFAULTS.get(key)) for key in IDENTITY}
-    diffs = [f"{key}: {old[key]!r} there, {new[key]!r} now" for key in IDENTITY if old[key] != new[key]]
+    diffs = [
+        f"{key}: {old[key]!r} there, {new[key]!r} now" for key in IDENTITY if key != "target" and old[key] != new[key]
+    ]
+    if not same_target(existing, new):  # by content: another spelling of the model's path is the same target
+        diffs.insert(0, f"target: {existing.get('target')!r} there, {new['target']!r} now (another model)")
     if diffs:
         raise DominoError(
             f"{out} was made with different settings, so this run cannot resume it "
@@ -415,8 +427,13 @@ def _check_same_run(existing: dict, new: dict, out: Path) -> None:
         )
 
 
+def _ours(p: Path) -> bool:
+    """Files a run puts in OUT before its meta.json: the lock, the self-written questions."""
+    return p.name == ".lock" or p.name.startswith(".self-prompts-")
+
+
 def _check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise DominoError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and not (out / "meta.json").exists() and any(p.name != ".lock" for p in out.iterdir()):
+    if out.is_dir() and not (out / "meta.json").exists() and any(not _ours(p) for p in out.iterdir()):
         raise DominoError(f"--out {out} is not empty and holds no meta.json; refusing to write data there")

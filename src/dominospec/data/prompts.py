@@ -76,6 +76,8 @@ def check_prompt_file(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         raise DominoError(f"--prompts {path} is a directory; give a JSONL file (one prompt per line)")
+    if path.exists() and not path.is_file():
+        raise DominoError(f"--prompts {path} is not a regular file (a device or pipe?); give a JSONL file")
     if not path.is_file():
         raise DominoError(
             f"--prompts {path}: no such file (a JSONL file; prepare-data also takes builtin:N and hf:NAME)"
@@ -88,7 +90,8 @@ def read_prompt_file(
 ) -> list[Conversation]:
     """Conversations of a JSONL file; ids are "<source>:<line number>" (source: the file stem).
 
-    Read as utf-8-sig: a byte-order mark some editors put at the start is not part of line 1.
+    Read as utf-8-sig: a byte-order mark some editors put at the start is not part of line 1. A
+    line that is not UTF-8 is reported by file and line like any other malformed line.
     """
     report = report or log
     if on_error not in ("skip", "fatal"):
@@ -96,14 +99,20 @@ def read_prompt_file(
     path = check_prompt_file(path)
     source = source or path.stem
     conversations, skipped = [], 0
-    with path.open(encoding="utf-8-sig", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                if not line.strip():
+                    continue
                 turns = user_turns(json.loads(line))
-            except (json.JSONDecodeError, ValueError) as exc:
-                reason = f"bad JSON ({exc.msg})" if isinstance(exc, json.JSONDecodeError) else str(exc)
+            except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+                if isinstance(exc, UnicodeDecodeError):  # not silently turned into U+FFFD
+                    reason = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+                elif isinstance(exc, json.JSONDecodeError):
+                    reason = f"bad JSON ({exc.msg})"
+                else:
+                    reason = str(exc)
                 if on_error == "fatal":
                     raise DominoError(f"{path}:{lineno}: {reason}") from None
                 report(f"{path}:{lineno}: {reason}; line skipped")

@@ -6,17 +6,25 @@ import hashlib
 from pathlib import Path
 
 from ..errors import DominoError
+from ..io import read_json_object, write_json_atomic
 from .builtin import builtin_prompts
-from .prompts import Conversation, load_hf_dataset, read_prompt_file
+from .prompts import Conversation, check_prompt_file, load_hf_dataset, read_prompt_file
 from .selfwritten import self_written_prompts
 
 
 def load_prompts(
-    specs: list[str], seed: int = 0, limit: int | None = None, on_error: str = "skip", report=None, target=None
+    specs: list[str],
+    seed: int = 0,
+    limit: int | None = None,
+    on_error: str = "skip",
+    report=None,
+    target=None,
+    keep_in: Path | None = None,
 ) -> tuple[list[Conversation], list[dict]]:
     """Resolve --prompts values (FILE, builtin[:N], self:N, hf:NAME[:SPLIT]) into conversations and source records.
 
-    self:N (prompts the target writes itself) needs `target`.
+    self:N (prompts the target writes itself) needs `target`; with `keep_in` (the run's output
+    directory) the questions are kept there and reused when the run is resumed, not written again.
     Sources are concatenated in the order given; `limit` keeps the first N conversations overall.
     """
     conversations, sources, names = [], [], set()
@@ -28,7 +36,7 @@ def load_prompts(
             if target is None:
                 raise DominoError(f"--prompts {spec}: prompts written by the target need the target loaded")
             n = _count(spec)
-            convs = self_written_prompts(target, n, seed, report=report)
+            convs = _self_written(target, n, seed, report, keep_in)
             record = {"spec": spec, "kind": "self", "seed": seed}
         elif spec.startswith("hf:"):
             name, _, split = spec[3:].partition(":")
@@ -51,12 +59,48 @@ def load_prompts(
     return conversations, sources
 
 
+SELF_PROMPTS_PREFIX = ".self-prompts-"  # OUT/.self-prompts-N-seedS.json: a run's self-written questions
+
+
+def _self_written(target, n: int, seed: int, report, keep_in: Path | None) -> list[Conversation]:
+    if keep_in is None:
+        return self_written_prompts(target, n, seed, report=report)
+    path = Path(keep_in) / f"{SELF_PROMPTS_PREFIX}{n}-seed{seed}.json"
+    who = getattr(target, "fingerprint", None) or target.name
+    if path.exists():
+        try:
+            kept = read_json_object(path)
+            convs = [Conversation(tuple(c["turns"]), c["id"]) for c in kept["conversations"]]
+        except (DominoError, KeyError, TypeError):
+            kept, convs = {}, []  # damaged: written again
+        if kept.get("target") == who and convs:
+            if report:
+                report(f"self:{n}: the {len(convs)} questions the target wrote for this run, kept in {path}")
+            return convs
+    convs = self_written_prompts(target, n, seed, report=report)
+    conversations = [{"id": c.id, "turns": list(c.turns)} for c in convs]
+    write_json_atomic(path, {"target": who, "conversations": conversations})
+    return convs
+
+
 def _builtin_count(spec: str, limit: int | None) -> int:
     if spec == "builtin":
         if limit is None:
             raise DominoError("--prompts builtin needs a size: builtin:N, or pass --limit N")
         return limit
     return _count(spec)
+
+
+def check_prompt_specs(specs: list[str]) -> None:
+    """Every --prompts value well-formed (builtin:N / self:N counts, files that exist), before anything loads."""
+    for spec in specs:
+        if spec.startswith(("builtin:", "self:")):
+            _count(spec)
+        elif spec.startswith("hf:"):
+            if not spec[3:].partition(":")[0]:
+                raise DominoError(f"--prompts {spec!r}: expected hf:NAME[:SPLIT]")
+        elif spec != "builtin":
+            check_prompt_file(spec)
 
 
 def is_self_written(specs: list[str]) -> bool:

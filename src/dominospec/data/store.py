@@ -20,12 +20,14 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import DominoError
-from ..io import atomic_path
+from ..io import atomic_path, is_temporary, json_field, read_json_object
 
 MANIFEST = "manifest.json"
 FORMAT = "dominospec-dataset/1"
@@ -41,6 +43,9 @@ PART_SETTINGS = (
     "prompts_sha256",
     "conversations_total",
 )
+PART_NAME = re.compile(r"part-\d{3,}")
+SHARD_NAME = re.compile(r"samples-\d{5}\.npz")
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def is_dataset(d: Path) -> bool:
@@ -48,15 +53,33 @@ def is_dataset(d: Path) -> bool:
 
 
 def read_manifest(d: Path) -> dict:
+    """DIR/manifest.json, checked: every kind of damage is refused with its own message."""
     path = Path(d) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8-sig"))
-    except json.JSONDecodeError as exc:
-        raise DominoError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DominoError(
-            f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT!r}"
-        )
+    manifest = read_json_object(path, "a data set manifest")
+    if manifest.get("format") != FORMAT:
+        raise DominoError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    parts = json_field(manifest, "parts", list, str(path))
+    names = set()
+    for i, entry in enumerate(parts):
+        where = f"{path}, part {i}"
+        if not isinstance(entry, dict):
+            raise DominoError(f"{where}: expected an object, found {type(entry).__name__}")
+        name = json_field(entry, "name", str, where)
+        if not PART_NAME.fullmatch(name) or name in names:
+            raise DominoError(f"{where}: name {name!r} is not a new part-NNN name")
+        names.add(name)
+        where = f"{path}, {name}"
+        json_field(entry, "settings", dict, where)
+        counts = json_field(entry, "counts", dict, where)
+        json_field(counts, "samples", int, f"{where} counts")
+        files = json_field(entry, "files", dict, where)
+        if not files:
+            raise DominoError(f"{where}: 'files' lists no file, so nothing could be checked; the part is damaged")
+        if not any(SHARD_NAME.fullmatch(f) for f in files):
+            raise DominoError(f"{where}: 'files' lists no samples-NNNNN.npz shard")
+        for f, digest in files.items():
+            if Path(f).name != f or f.startswith(".") or not (isinstance(digest, str) and SHA256.fullmatch(digest)):
+                raise DominoError(f"{where}: file entry {f!r}: {digest!r} is not a file name and its sha256")
     return manifest
 
 
@@ -79,12 +102,14 @@ def read_npz_shard(path: Path) -> list[dict]:
     try:
         with np.load(path, allow_pickle=False) as z:
             ids, packed, lengths, names = z["ids"], z["mask"], z["length"], z["sample_id"]
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         raise DominoError(f"{path}: not a readable compact shard ({exc})") from None
     if int(lengths.sum()) != ids.shape[0] or len(names) != len(lengths):
         raise DominoError(
             f"{path}: lengths ({int(lengths.sum())} tokens, {len(names)} ids) do not match its {ids.shape[0]} token ids"
         )
+    if ids.ndim != 1 or lengths.ndim != 1 or packed.shape[0] * 8 < ids.shape[0] or (lengths < 0).any():
+        raise DominoError(f"{path}: not a readable compact shard (arrays of the wrong shape)")
     mask = np.unpackbits(packed)[: ids.shape[0]]
     out, start = [], 0
     for name, n in zip(names.tolist(), lengths.tolist()):
@@ -96,16 +121,47 @@ def read_npz_shard(path: Path) -> list[dict]:
 
 
 def check_part_files(dataset: Path, entry: dict) -> None:
-    """A part's files are the ones the manifest recorded (nothing edited or lost since)."""
+    """A part's files are exactly the ones the manifest recorded: none edited, lost or added since."""
     part = dataset / entry["name"]
+    if not part.is_dir():
+        raise DominoError(f"{part} is listed in {dataset / MANIFEST} but is not a directory")
     for name, digest in entry["files"].items():
         path = part / name
         if not path.exists():
             raise DominoError(f"{path} is listed in {dataset / MANIFEST} but missing")
+        if not path.is_file():
+            raise DominoError(f"{path} is listed in {dataset / MANIFEST} as a file but is a {_kind(path)}")
         if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
             raise DominoError(
                 f"{path} differs from the checksum in {dataset / MANIFEST}: the part was changed after it was added"
             )
+    extra = sorted(p.name for p in part.iterdir() if p.name not in entry["files"])
+    if extra:
+        raise DominoError(
+            f"{part / extra[0]} is not listed in {dataset / MANIFEST}"
+            f"{f' (nor {len(extra) - 1} more)' if len(extra) > 1 else ''}: a part holds only the files it was "
+            "added with; remove what was put there since"
+        )
+
+
+def check_no_unlisted_parts(dataset: Path, manifest: dict) -> None:
+    """Every part-NNN directory of a data set is in its manifest (one that is not was never checked)."""
+    listed = {p["name"] for p in manifest["parts"]}
+    for p in sorted(Path(dataset).iterdir()):
+        if PART_NAME.fullmatch(p.name) and p.name not in listed:
+            raise DominoError(
+                f"{p} is not listed in {Path(dataset) / MANIFEST}, so its samples could not be checked "
+                "(an add that was killed before it was recorded?); remove it, then rerun that prepare-data --extend"
+            )
+
+
+def _kind(path: Path) -> str:
+    return "directory" if path.is_dir() else "special file"
+
+
+def stale_temporaries(dataset: Path) -> list[Path]:
+    """Leftovers of adds killed before their rename (only safe to remove while holding the data set's lock)."""
+    return [p for p in Path(dataset).iterdir() if is_temporary(p)]
 
 
 def dataset_prompts(dataset: Path) -> list[dict]:

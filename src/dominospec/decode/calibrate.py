@@ -22,7 +22,7 @@ import torch
 
 from ..drafter.checkpoint import CALIBRATION_NAME
 from ..errors import DominoError
-from ..io import write_json_atomic
+from ..io import read_json_object, write_json_atomic
 from ..sampling import SamplingConfig
 from .single import generate_speculative
 
@@ -212,6 +212,31 @@ def calibrate(
 def prompts_fingerprint(prompts: Sequence[Sequence[int]]) -> str:
     """sha256 of the token-id prompts (chat template applied): equal exactly when the same prompts ran."""
     return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()
+
+
+def overall_ece(result: dict) -> tuple[float | None, float | None]:
+    """(raw, calibrated) ECE of the survival products over all positions, weighted by their cycles."""
+    pairs = [
+        (n, before, after)
+        for n, before, after in zip(result["samples"], result["ece_before"], result["ece_after"])
+        if n and before is not None and after is not None
+    ]
+    total = sum(n for n, _, _ in pairs)
+    if not total:
+        return None, None
+    return sum(n * b for n, b, _ in pairs) / total, sum(n * a for n, _, a in pairs) / total
+
+
+def previous_cycles(directory) -> int | None:
+    """How many cycles the calibration already next to a drafter rests on (None: none there, or unreadable)."""
+    path = Path(directory) / CALIBRATION_NAME
+    if not path.exists():
+        return None
+    try:
+        cycles = read_json_object(path).get("cycles")
+    except DominoError:
+        return None  # a damaged file protects nothing
+    return cycles if isinstance(cycles, int) and not isinstance(cycles, bool) else None
 
 
 def write_calibration(directory, result: dict) -> Path:

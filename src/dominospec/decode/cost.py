@@ -23,7 +23,7 @@ from ..devices import cpu_model, describe_device, synchronize
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..drafter.model import DraftCache
 from ..errors import DominoError
-from ..io import cache_dir, write_json_atomic
+from ..io import cache_dir, probabilities, read_json_object, write_json_atomic
 from ..log import log
 from ..sampling import SamplingConfig
 from .propose import draft_block
@@ -75,7 +75,8 @@ def profile_verify_cost(
         "seconds": seconds,
         "relative_to_1": [s / seconds[0] for s in seconds],
         "sps": [1.0 / s for s in seconds],
-        "target": getattr(target, "name", "model"),
+        # the model by content: `tiny/`, `tiny` and its absolute path share one profile
+        "target": getattr(target, "fingerprint", None) or getattr(target, "name", "model"),
         "dtype": str(target.dtype).replace("torch.", ""),
         "repeats": repeats,
         "statistic": "median",
@@ -97,7 +98,8 @@ def device_fingerprint(target) -> dict:
         "hardware": hw,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "target": getattr(target, "name", "model"),
+        # the model by content: `tiny/`, `tiny` and its absolute path share one profile
+        "target": getattr(target, "fingerprint", None) or getattr(target, "name", "model"),
         "backend": getattr(target, "backend", "hf"),
         "dtype": str(target.dtype).replace("torch.", ""),
     }
@@ -348,6 +350,17 @@ def best_block_size(profile: dict, acceptance: Sequence[float], max_b: int, cont
     return max(rates, key=rates.get), rates
 
 
+def read_acceptance(path: Path) -> list[float]:
+    """The "conditional" list of an acceptance.json: one probability in [0, 1] per block position."""
+    data = read_json_object(path, "a drafter's acceptance by position")
+    if data.get("conditional") == []:
+        raise DominoError(
+            f"{path}: 'conditional' is empty: the run that wrote it measured no draft cycle; remove it or "
+            "rerun `dominospec bench --save-acceptance` on longer answers"
+        )
+    return probabilities(data.get("conditional"), f"{path} 'conditional'")
+
+
 def auto_block_size(target, drafter, context: int = 256) -> tuple[int, str]:
     """--block-size auto: the block size with the most expected tokens/s on this device (0: plain
     decoding wins), and a note saying what it was chosen from (or why the drafter's own is used)."""
@@ -360,10 +373,7 @@ def auto_block_size(target, drafter, context: int = 256) -> tuple[int, str]:
             f"validates, `bench --save-acceptance` from a live run); using its block size {own}",
         )
     profile = ensure_profile(target, drafter, max_k=own + 1)
-    try:
-        acceptance = [float(p) for p in json.loads(acc_path.read_text())["conditional"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DominoError(f'{acc_path}: expected {{"conditional": [p_1, p_2, ...]}} ({exc})') from None
+    acceptance = read_acceptance(acc_path)
     b, rates = best_block_size(profile, acceptance, own, context)
     shown = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(rates.items()))
     chosen = "plain decoding (no block size beats it here)" if b == 0 else str(b)

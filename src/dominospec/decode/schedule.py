@@ -23,7 +23,6 @@ the drafter is decided from earlier cycles only, so it is lossless when sampling
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import torch
 
 from ..drafter.checkpoint import CALIBRATION_NAME, sidecar_path
 from ..errors import DominoError
+from ..io import positive_numbers, read_json_object
 from ..log import log_once
 from .cost import ensure_profile, load_profile, profile_drafter_label
 from .lookup import LOOKUP_BLOCK_SIZE
@@ -251,12 +251,11 @@ def load_calibration(drafter) -> tuple[list[float] | None, str]:
             f"no {CALIBRATION_NAME} next to the drafter: raw confidences are used (temperatures 1); "
             "run `dominospec calibrate` to calibrate them"
         )
-    try:
-        temps = [float(t) for t in json.loads(path.read_text())["temperatures"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DominoError(f'{path}: expected {{"temperatures": [T_1, T_2, ...]}} ({exc})') from None
-    if len(temps) < drafter.config.block_size or not all(math.isfinite(t) and t > 0 for t in temps):
-        raise DominoError(f"{path}: needs {drafter.config.block_size} finite temperatures > 0, got {temps}")
+    data = read_json_object(path, "a calibration file")
+    temps = positive_numbers(data.get("temperatures"), f"{path} 'temperatures'")
+    if len(temps) < drafter.config.block_size:
+        need = drafter.config.block_size
+        raise DominoError(f"{path}: needs {need} temperatures (one per block position), got {len(temps)}")
     return temps, f"STS temperatures from {path}"
 
 

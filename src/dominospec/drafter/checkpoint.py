@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from ..errors import DominoError
-from ..io import atomic_path, ensure_writable_dir, write_atomic
+from ..io import atomic_path, ensure_writable_dir, read_json_object, write_atomic
+from ..log import log
 from .config import FORMAT, DrafterConfig
 
 CONFIG_NAME = "config.json"
@@ -34,6 +35,14 @@ def shipped_drafter_dir(target_name: str) -> Path:
     return SHIPPED_ROOT / target_name
 
 
+def is_shipped(directory: str | os.PathLike) -> bool:
+    """True for a directory inside the installed package's shipped drafters (never written to by default)."""
+    try:
+        return Path(directory).resolve().is_relative_to(SHIPPED_ROOT)
+    except OSError:
+        return False
+
+
 def sidecar_path(drafter, name: str) -> Path | None:
     """DIR/name for a drafter loaded from DIR (None for one built in memory); name is a SIDECAR_NAMES entry."""
     if name not in SIDECAR_NAMES:
@@ -43,10 +52,18 @@ def sidecar_path(drafter, name: str) -> Path | None:
 
 
 def save_checkpoint(config: DrafterConfig, state: dict[str, torch.Tensor], directory: str | os.PathLike) -> None:
-    """config.json + model.safetensors, each written atomically (weights first)."""
+    """config.json + model.safetensors, each written atomically (weights first); an acceptance.json or
+    calibration.json already there is removed, since it was measured on other weights."""
     from safetensors.torch import save_file
 
     out = ensure_writable_dir(directory, "drafter directory")
+    # the sidecars describe the weights they were measured with: new weights make them wrong, so they
+    # go first (a crash then leaves a drafter without sidecars, never new weights with old ones)
+    for name in SIDECAR_NAMES:
+        stale = out / name
+        if stale.is_file() or stale.is_symlink():
+            stale.unlink()
+            log(f"removed {stale}: it was measured on the weights this drafter replaces")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     with atomic_path(out / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": FORMAT})
@@ -68,12 +85,7 @@ def read_checkpoint(directory: str | os.PathLike) -> tuple[DrafterConfig, dict[s
         raise DominoError(f"drafter {d}: missing {CONFIG_NAME}")
     if not w_path.exists():
         raise DominoError(f"drafter {d}: missing {WEIGHTS_NAME}")
-    try:
-        data = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DominoError(f"{cfg_path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
-    if not isinstance(data, dict):
-        raise DominoError(f"{cfg_path}: expected a JSON object, got {type(data).__name__}")
+    data = read_json_object(cfg_path, "a drafter config")
     config = DrafterConfig.from_dict(data, source=str(cfg_path))
     try:
         state = load_file(str(w_path))

@@ -434,6 +434,42 @@ class Target:
         vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
         return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 identifying the model by content, not by the name it was loaded under.
+
+        `tiny/`, `tiny` and /abs/path/tiny are one model; two models saved at one path are two. It
+        covers the architecture numbers of the config, the tokenizer, and the sign bits of a strided
+        sample of every weight tensor: signs survive casting to bf16/fp16 exactly, so the same
+        weights loaded in another dtype keep their fingerprint.
+        """
+        cfg = self.model.config
+        keys = (
+            "model_type",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+            "rope_theta",
+            "tie_word_embeddings",
+        )
+        h = hashlib.sha256()
+        h.update(json.dumps({k: getattr(cfg, k, None) for k in keys}, sort_keys=True, default=str).encode())
+        h.update(str(self.tokenizer_fingerprint).encode())
+        seen = set()
+        for name, w in sorted(self.model.named_parameters(), key=lambda kv: kv[0]):
+            if w.data_ptr() in seen:  # tied weights count once
+                continue
+            seen.add(w.data_ptr())
+            flat = w.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 256)][:256]
+            h.update(name.encode() + str(tuple(w.shape)).encode())
+            h.update(bytes(torch.signbit(sample.float()).cpu().to(torch.uint8).tolist()))
+        return h.hexdigest()
+
     @property
     def chat_template_fingerprint(self) -> str | None:
         """sha256 of the chat template text; None without a tokenizer or template."""

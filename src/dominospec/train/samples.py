@@ -93,6 +93,12 @@ def init_from_target_layer(drafter, target, first: int) -> list[str]:
     Draft layers are Llama/Qwen3-shaped, so every projection and norm maps by name; a weight the
     target family lacks (q/k norm on Llama) keeps its fresh value (identity norm).
     """
+    n, total = len(drafter.layers), target.num_layers
+    if first < 0 or first + n > total:
+        raise DominoError(
+            f"--init-from-layer {first} is out of range: the drafter's {n} layer(s) would copy target layers "
+            f"{first}..{first + n - 1}, but the target has layers 0..{total - 1} (use at most {total - n})"
+        )
     copied = []
     with torch.no_grad():
         for i, layer in enumerate(drafter.layers):

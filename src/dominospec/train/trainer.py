@@ -36,6 +36,7 @@ from ..drafter import Drafter
 from ..drafter.checkpoint import ACCEPTANCE_NAME, CONFIG_NAME, check_state, read_checkpoint, save_checkpoint
 from ..errors import DominoError, flag
 from ..io import atomic_path, ensure_writable_dir, exclusive_lock, write_json_atomic, write_lines_atomic
+from ..log import log_once
 from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau, teacher_forced_blocks
 from .distributed import Dist
 from .plots import plot_metrics
@@ -194,19 +195,34 @@ class Trainer:
         return [result[i] for i in idx]
 
     def _cache_path(self, i: int) -> Path:
-        # keyed by content, not by index: another validation split or data set never reads another sample's rows
-        key = json.dumps([self.drafter.config.target_layer_ids, self.samples[i]["input_ids"]])
+        # keyed by content, not by index: another validation split, data set or target (by its weights'
+        # fingerprint, and dtype) never reads another sample's rows
+        target = self.target
+        identity = [getattr(target, "fingerprint", getattr(target, "name", None)), str(target.dtype)]
+        key = json.dumps([identity, self.drafter.config.target_layer_ids, self.samples[i]["input_ids"]])
         return self.feature_cache / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def _cache_read(self, i: int):
+        """The cached features of sample i, or None; a damaged or mis-shaped file is removed and remade."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         p = self._cache_path(i)
         if not p.exists():
             return None
-        t = load_file(str(p), device=str(self.device))
+        try:
+            t = load_file(str(p), device=str(self.device))
+            feats, final = t["features"], t.get("final")
+        except (SafetensorError, OSError, ValueError, KeyError, RuntimeError):
+            feats = final = None
+        rows = len(self.samples[i]["input_ids"])
+        width = len(self.drafter.config.target_layer_ids) * self.target.hidden_size
+        if feats is None or tuple(feats.shape) != (rows, width) or (final is not None and final.shape[0] != rows):
+            log_once(f"feature cache: {p} is damaged (a write cut short?); remaking it")
+            p.unlink(missing_ok=True)
+            return None
         dt = self.target.dtype
-        return t["features"].to(dt), (t["final"].to(dt) if "final" in t else None)
+        return feats.to(dt), (final.to(dt) if final is not None else None)
 
     def _cache_write(self, i: int, item) -> None:
         from safetensors.torch import save_file
