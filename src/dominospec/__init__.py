@@ -5,10 +5,14 @@ The data flow, one package per stage (tests/test_layout.py keeps imports one-way
            the foundation: DominoError, logging, atomic files, devices, sampling and acceptance rules
   target/  the target model (the only package that calls transformers)
   drafter/ the drafter: parallel backbone + sequential head, checkpoints
-  decode/  proposals, verification, the decoding loops, verify cost
+  decode/  proposals, verification, the shared speculative step, the batch-1 loops, verify cost
+  engine/  many requests at once: slots, ragged verification, DSpark's scheduler
   data/    prompts and on-policy training data
+  export/  drafters in the formats SGLang, vLLM, speculators and SpecForge load
   train/   training a drafter
   bench/   measuring it
+  serve/   the OpenAI-compatible server on the engine, and its load test
+  integrations/  model.generate(custom_generate=...) for transformers users
   cli/     the command line over all of them
 """
 

@@ -4,4 +4,5 @@ metrics.py  pure functions over per-prompt run records
 methods.py  the ways of decoding (ar, hf, pld, drafters, ablations, lookup, hybrids): one class each
 runner.py   the interleaved run, results on disk, prompt files, acceptance.json
 report.py   markdown tables, report.md, plots
+concurrency.py  the engine under closed-loop load (bench --concurrency)
 """

@@ -295,9 +295,10 @@ def save_acceptance(results: dict, methods: Sequence[Method], report=None) -> li
     report = report or log
     written = []
     for m in methods:
-        d = m.drafter
+        d = getattr(m, "drafter", None)
         if (
-            not isinstance(m, Speculative)
+            d is None
+            or not isinstance(m, Speculative)
             or isinstance(m, PromptLookupAlone)
             or not m.use_head
             or sidecar_path(d, ACCEPTANCE_NAME) is None

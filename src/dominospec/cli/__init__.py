@@ -8,6 +8,10 @@ train.py      dominospec train (over train/run.py)
 calibrate.py  dominospec calibrate
 bench.py      dominospec bench
 profile.py    dominospec profile
+export.py     dominospec export
+custom_generate.py  dominospec custom-generate
+serve.py      dominospec serve
+loadtest.py   dominospec loadtest
 
 Nothing outside this package imports it.
 """

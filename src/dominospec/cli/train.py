@@ -45,9 +45,6 @@ def cmd_train(args) -> int:
         reason = why_not_exact(read_checkpoint(args.init)[0], args.serve_with)
         if reason:
             raise DominoError(f"--init {args.init} does not export exactly to {args.serve_with}: {reason}")
-    check_data_dir(args.data, "--data")  # before the model loads
-    if args.val_data:
-        check_data_dir(args.val_data, "--val-data")
     job = TrainJob(
         data=args.data,
         out=args.out,
@@ -63,6 +60,9 @@ def cmd_train(args) -> int:
         allow_other_target=args.allow_other_target,
     )
     job.check_outputs()
+    check_data_dir(args.data, "--data")  # before the model loads
+    if args.val_data:
+        check_data_dir(args.val_data, "--val-data")
     target = target_from_args(args)
     if not args.init:  # a fresh drafter's shape (--layer-ids also sets the target's feature layers)
         job.arch = arch_from_args(args, target)

@@ -2,6 +2,8 @@
 
 result.py   GenerationResult and tau
 propose.py  Proposal and draft_block (drafter backbone + head rollout)
+step.py     one speculative step over explicit per-sequence state (propose, accept, commit, roll back)
+proposers.py  the proposer protocol (propose, then observe) for the drafter, prompt lookup and the hybrid
 single.py   generate_autoregressive / generate_speculative at batch 1
 cost.py     the verify-cost profile of a target on this device
 schedule.py the verify-length policies (fixed, static, cost) and the STS temperatures they read
