@@ -274,7 +274,7 @@ SMOL_LIKE = (
 CHAR_CONTEXT = 64  # the saved char model's context: "too long" is easy to reach
 
 
-def char_level_model(template: str = SMOL_LIKE, context: int = 512, never_ends: bool = False):
+def char_level_model(template: str = SMOL_LIKE, context: int = 512, never_ends: bool = False, seed: int = 0):
     """(model, tokenizer): a tiny Llama behind a one-token-per-character tokenizer and `template`.
 
     never_ends: the EOS row of the LM head is zero (the others are sharpened), so greedy answers never
@@ -292,7 +292,7 @@ def char_level_model(template: str = SMOL_LIKE, context: int = 512, never_ends: 
         tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
     )
     tok.chat_template = template
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=len(vocab),
@@ -557,44 +557,7 @@ def save_char_model(d: Path, context: int = 64, seed: int = 0) -> Path:
     Its EOS row of the LM head is zero and the others are sharpened, so greedy answers never end on
     their own: they run until a limit cuts them.
     """
-    import string
-
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    chars = string.ascii_letters + string.digits + " .,?!:;'-()<>/|\n"
-    vocab = {c: i for i, c in enumerate(chars)}
-    start, end = len(vocab), len(vocab) + 1
-    vocab.update({"<|im_start|>": start, "<|im_end|>": end})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
-    )
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(vocab),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=context,
-            eos_token_id=end,
-            bos_token_id=start,
-            pad_token_id=end,
-            tie_word_embeddings=False,
-        )
-    )
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-        model.lm_head.weight[end] = 0.0
+    model, tok = char_level_model(context=context, never_ends=True, seed=seed)
     model.save_pretrained(str(d))
     tok.save_pretrained(str(d))
     return d
