@@ -20,7 +20,7 @@ import torch
 
 from ..devices import synchronize
 from ..errors import DominoError
-from ..sampling import SamplingConfig
+from ..sampling import SamplingConfig, accept_rejection
 from ..target.context import cap_new_tokens
 from .lookup import PromptLookup
 from .propose import Proposal, draft_block
@@ -167,7 +167,8 @@ def generate_speculative(
         t2 = time.perf_counter()
         block = block_tokens(seq, proposal, k, dev)[None]  # [1, k+1]
         out = target.forward(block, tcache, layer_ids=layers, with_features=feats)
-        n, nxt = accept(seq, proposal, k, out.logits[0])  # logits [k+1, V]
+        # logits [k+1, V]; the rule is this module's name, looked up per call (tests swap it)
+        n, nxt = accept(seq, proposal, k, out.logits[0], lambda *args: accept_rejection(*args))
         # keep the anchor and accepted drafts in the target cache; the new token is the next anchor
         target.crop_cache(tcache, rollback_length(before, n))
         synchronize(dev)

@@ -96,13 +96,16 @@ def start(seq: SeqState, logits_row: torch.Tensor) -> list[int]:
     return [tok]
 
 
-def accept(seq: SeqState, proposal: Proposal | None, k: int, logits: torch.Tensor) -> tuple[int, int]:
-    """(accepted drafts n, the target's next token) for the first k drafts; logits [k+1, V]."""
+def accept(
+    seq: SeqState, proposal: Proposal | None, k: int, logits: torch.Tensor, rejection=accept_rejection
+) -> tuple[int, int]:
+    """(accepted drafts n, the target's next token) for the first k drafts; logits [k+1, V].
+    rejection: the sampling rule (tests swap in a wrong one to show the distribution tests catch it)."""
     drafts = proposal.drafts[:k] if proposal is not None else logits.new_zeros(0, dtype=torch.long)
     if seq.sampling.greedy:
         return accept_greedy(drafts, logits)
     draft_probs = proposal.draft_probs[:k] if proposal is not None else logits[:0]
-    return accept_rejection(drafts, draft_probs, warp_probs(logits, seq.sampling), seq.gen)
+    return rejection(drafts, draft_probs, warp_probs(logits, seq.sampling), seq.gen)
 
 
 def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int) -> list[int]:
