@@ -242,7 +242,6 @@ def assert_matches_target_distribution(run, target, prompt, sampling=SAMPLING, s
     the mechanism under test was really exercised. Each distribution test has a control that a wrong rule
     fails at the same n.
     """
-    from scipy.stats import chisquare
 
     exact = exact_distribution(target, prompt, steps, sampling)
     counts, seen = {}, {"verified": set(), "accepted_any": 0, "lookup_cycles": 0, "draft_skipped": 0}
@@ -253,14 +252,8 @@ def assert_matches_target_distribution(run, target, prompt, sampling=SAMPLING, s
         seen["accepted_any"] += sum(res.accepted) > 0
         seen["lookup_cycles"] += res.lookup_cycles
         seen["draft_skipped"] += getattr(res, "draft_skipped", 0)
-    assert sum(c for k, c in counts.items() if exact.get(k, 0) == 0) == 0, "a sample the target cannot produce"
-    # bins with enough expected mass; the rest pooled into one
-    big = [k for k in sorted(exact, key=exact.get, reverse=True) if exact[k] * n >= 5]
-    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
-    exp = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
-    assert len(big) >= min_bins, f"only {len(big)} bins: the test would have little power"
-    stat = chisquare(obs, exp)
-    assert stat.pvalue > 1e-3, stat
+    samples = [k for k, c in counts.items() for _ in range(c)]
+    assert_matches_distribution(samples, exact, min_bins)
     return seen
 
 
@@ -421,23 +414,7 @@ def cli_smollm(smollm, monkeypatch):
     smollm.layer_ids = layer_ids  # --layer-ids sets them on the target it is given
 
 
-# ----- the engine tests' distribution checks (hf forward, pooled bins) -----
-
-
-def exact_target_distribution(target, prompt, steps, sampling) -> dict:
-    """P(x_1..x_steps) by enumeration over the whole (tiny) vocabulary, from the HF forward."""
-    import itertools
-
-    from dominospec.sampling import warp_probs
-
-    v = target.vocab_size
-    seqs = torch.tensor(list(itertools.product(range(v), repeat=steps)))  # [V^steps, steps]
-    ids = torch.cat([torch.tensor(prompt).expand(seqs.shape[0], -1), seqs], dim=1)
-    with torch.no_grad():
-        logits = target.model(input_ids=ids).logits[:, len(prompt) - 1 : -1]  # [N, steps, V]
-    probs = warp_probs(logits, sampling)
-    p = probs.gather(-1, seqs.unsqueeze(-1)).squeeze(-1).prod(-1)
-    return {tuple(s): float(q) for s, q in zip(seqs.tolist(), p)}
+# ----- chi-square of sampled continuations (the engine tests collect their own samples) -----
 
 
 def assert_matches_distribution(samples: list, exact: dict, min_bins: int = 15) -> None:
@@ -455,8 +432,8 @@ def assert_matches_distribution(samples: list, exact: dict, min_bins: int = 15) 
     big = [k for k in keys if exact[k] * n >= 5]
     obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
     exp = [exact[k] * n for k in big] + [n - sum(exact[k] * n for k in big)]
-    assert len(big) >= min_bins
-    assert sum(c for k, c in counts.items() if exact.get(k, 0) == 0) == 0
+    assert sum(c for k, c in counts.items() if exact.get(k, 0) == 0) == 0, "a sample the target cannot produce"
+    assert len(big) >= min_bins, f"only {len(big)} bins: the test would have little power"
     stat = chisquare(obs, exp)
     assert stat.pvalue > 1e-3, stat
 

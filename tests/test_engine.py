@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_matches_distribution, exact_target_distribution, tiny_drafter, tiny_target
+from conftest import assert_matches_distribution, exact_distribution, tiny_drafter, tiny_target
 
 from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
 from dominospec.decode import CostTable, PromptLookup, Proposal
@@ -166,7 +166,7 @@ def test_engine_sampling_preserves_the_target_distribution_with_rows_joining_and
             engine.run_until_idle() if i % 8 == 7 else engine.step()
     engine.run_until_idle()
     samples = [h.wait(0).tokens for h in handles]
-    assert_matches_distribution(samples, exact_target_distribution(target, prompt, 3, T1))
+    assert_matches_distribution(samples, exact_distribution(target, prompt, 3, T1))
     if policy == "cost":
         assert engine.stats()["tau"] > 1.2  # drafts were really accepted, not only resampled
 

@@ -11,6 +11,7 @@ sweep) into instances.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +32,13 @@ PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for the pld 
 
 
 @dataclass(kw_only=True)
-class Method:
+class Method(ABC):
     """One way of decoding that the benchmark times."""
 
     kind: ClassVar[str]
     name: str
 
+    @abstractmethod
     def run(
         self,
         target,
@@ -47,7 +49,7 @@ class Method:
         dataset: str = "",
         prompt_index: int = 0,
     ) -> PromptRun:
-        raise NotImplementedError
+        """Decode one prompt and return its record; every registered method implements it."""
 
     def describe(self) -> dict:
         return {"name": self.name, "kind": self.kind}
