@@ -150,12 +150,13 @@ def _soft_target():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["plain", "cost"])
+@pytest.mark.parametrize("policy", ["plain", "cost", "cost-skipping"])
 def test_engine_sampling_preserves_the_target_distribution_with_rows_joining_and_leaving(policy):
+    """cost-skipping: a draft pass so dear that the policy runs many steps without one (and probes)."""
     target = _soft_target()
     drafter = tiny_drafter(target, block_size=3, seed=4, confidence=True) if policy != "plain" else None
-    costs = CostTable({0: [1.0, 1.1, 1.2, 1.3]})
-    engine = Engine(target, drafter, policy=policy, costs=costs, max_batch=4, prefill_chunk=3)
+    costs = CostTable({0: [1.0, 1.1, 1.2, 1.3]}, draft_s=0.3 if policy == "cost-skipping" else 0.0)
+    engine = Engine(target, drafter, policy=policy.split("-")[0], costs=costs, max_batch=4, prefill_chunk=3)
     prompt, n = [1, 2, 3, 4], 800
     handles = []
     for i in range(n):  # other requests (longer, different prompts) keep joining and leaving between them
@@ -167,8 +168,43 @@ def test_engine_sampling_preserves_the_target_distribution_with_rows_joining_and
     engine.run_until_idle()
     samples = [h.wait(0).tokens for h in handles]
     assert_matches_distribution(samples, exact_distribution(target, prompt, 3, T1))
+    stats = engine.stats()
     if policy == "cost":
-        assert engine.stats()["tau"] > 1.2  # drafts were really accepted, not only resampled
+        assert stats["tau"] > 1.2 and stats["draft_skipped"] == 0  # drafts really accepted, not only resampled
+    if policy == "cost-skipping":  # both kinds of step ran between the samples
+        assert 0 < stats["draft_skipped"] < stats["steps"] and stats["tau"] > 1.0
+
+
+def test_cost_engine_skips_the_drafter_while_it_does_not_pay_and_stays_exact(target, drafter):
+    """A draft pass as dear as a target step: after a few rejected cycles the engine decodes plain, probing
+    every 16th step; the greedy output is still each request's plain output. Control: a free draft pass
+    is never skipped."""
+    outcome = {}
+    for draft_s in (1.0, 0.0):
+        engine = Engine(target, drafter, policy="cost", costs=CostTable(COSTS.verify_s, draft_s), max_batch=2)
+        prompts = [[1, 2, 3], [4, 4, 4, 4, 4, 4]]
+        handles = [engine.submit(EngineRequest(p, 40, eos_ids=[])) for p in prompts]
+        engine.run_until_idle()
+        for p, h in zip(prompts, handles):
+            assert h.wait(0).tokens == generate_autoregressive(target, p, 40, eos_ids=[]).tokens
+        outcome[draft_s] = engine.stats()["draft_skipped"], engine.stats()["steps"]
+    skipped, steps = outcome[1.0]
+    assert steps / 2 < skipped < steps  # mostly plain steps, and some probes drafted
+    assert outcome[0.0][0] == 0
+
+
+def test_batch_policy_skips_drafting_from_earlier_steps_and_probes():
+    table = BatchCostTable({1: [1.0, 1.05, 1.1, 1.15, 1.2]}, {1: 0.1})
+    policy = BatchPolicy("cost", VerifyPolicy(), table)
+    assert policy.wants_draft(rows=2, block_size=4)  # prior 0.5 per slot: drafting pays at first
+    for _ in range(30):
+        policy.observe(Proposal(torch.tensor([1, 2, 3, 4]), source="drafter"), 4, 0)  # all rejected
+    decisions = [policy.wants_draft(rows=2, block_size=4) for _ in range(32)]
+    assert decisions.count(True) == 2 and decisions[15] and decisions[31]  # one probe every 16 steps
+    for _ in range(60):
+        policy.observe(Proposal(torch.tensor([1, 2, 3, 4]), source="drafter"), 4, 4)  # all accepted
+    assert policy.wants_draft(rows=2, block_size=4)
+    assert BatchPolicy("fixed", VerifyPolicy(), table).wants_draft(rows=2, block_size=4)  # only cost skips
 
 
 # ----- DSpark's Algorithm 1 over the batch -----

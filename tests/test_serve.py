@@ -393,7 +393,8 @@ def test_client_disconnect_frees_the_slot(target):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{base}/v1/chat/completions", json=long, timeout=0.5)
         # the next request is admitted and finishes; the two abandoned ones were cancelled, not run out
-        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        short = {"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True}
+        r = httpx.post(f"{base}/v1/chat/completions", json=short, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert [x.finish_reason for x in results] == ["cancelled", "cancelled", "length"]
         assert all(len(x.tokens) < 450 for x in results)

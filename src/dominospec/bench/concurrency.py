@@ -143,6 +143,8 @@ def bench_concurrency(
             results, wall = closed_loop(engine, prompts, c, max_new_tokens, sampling, seed)
             row = {"policy": policy, "concurrency": c, **summarize_level(results, wall)}
             row["slot_bytes"] = engine.slot_bytes
+            stats = engine.stats()
+            row["draft_skipped"] = stats["draft_skipped"] / stats["steps"] if stats["steps"] else 0.0
             rows.append(row)
             if progress:
                 progress(format_row(row))
@@ -168,14 +170,15 @@ def format_row(row: dict) -> str:
     verify = "-" if row["verify_per_request"] is None else f"{row['verify_per_request']:.2f}"
     return (
         f"| {row['policy']} | {row['concurrency']} | {row['tokens_per_s']:.1f} | {_ms(row['tpot_median_s'])} | "
-        f"{_ms(row['tpot_p90_s'])} | {_ms(row['ttft_median_s'])} | {tau} | {verify} | {row['requests']} |"
+        f"{_ms(row['tpot_p90_s'])} | {_ms(row['ttft_median_s'])} | {tau} | {verify} | "
+        f"{100 * row.get('draft_skipped', 0.0):.0f}% | {row['requests']} |"
     )
 
 
 def format_concurrency_table(results: dict) -> str:
     head = (
         "| policy | concurrency | tok/s | TPOT median ms | TPOT p90 ms | TTFT median ms | tau | "
-        "verify/request | requests |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "verify/request | steps without drafting | requests |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     return "\n".join([head] + [format_row(r) for r in results["rows"]])
 

@@ -371,14 +371,14 @@ class BatchCostTable:
         verify = costs.verify_seconds(256)
         return cls({1: verify}, {1: costs.draft_s})
 
-    def step_seconds(self, rows: int, tokens: int) -> float:
+    def step_seconds(self, rows: int, tokens: int, draft: bool = True) -> float:
         """Forward over `tokens` new tokens in `rows` rows (plus the draft pass), interpolated over B."""
         r = min(self.seconds, key=lambda x: (abs(math.log(x / rows)), -x))
         curve = self.seconds[r]
         pts = [(r * (k + 1), s) for k, s in enumerate(curve)]  # (B, seconds)
         if r == 1 and rows > 1:  # a batch-1 table: B tokens in one row stands in for B tokens in R rows
             pts = [(k + 1, s) for k, s in enumerate(curve)]
-        draft = self.draft_s.get(r, 0.0) * rows / r
+        draft = self.draft_s.get(r, 0.0) * rows / r if draft else 0.0
         if tokens <= pts[0][0]:
             return draft + pts[0][1] * tokens / pts[0][0]
         for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
@@ -390,10 +390,45 @@ class BatchCostTable:
 
 
 class BatchPolicy:
-    """Verify lengths for every running sequence of one engine step; each sees only its own proposal."""
+    """Verify lengths for every running sequence of one engine step; each sees only its own proposal.
 
-    def __init__(self, mode: str, single: VerifyPolicy, costs: BatchCostTable | None = None):
-        self.name, self.single, self.costs = mode, single, costs
+    cost also decides, before each step, whether the drafter pass pays at all: from the running
+    acceptance of earlier steps (never this step's drafts: lossless when sampling), Algorithm 1's
+    expected tokens/s with a draft pass is compared with a plain step of the same rows; while it
+    loses, the step is plain decoding, and every probe_every-th such step drafts anyway.
+    """
+
+    def __init__(self, mode: str, single: VerifyPolicy, costs: BatchCostTable | None = None, probe_every: int = 16):
+        self.name, self.single, self.costs, self.probe_every = mode, single, costs, probe_every
+        self.acceptance = RunningAcceptance()
+        self.skipped = 0  # steps that ran without a drafter pass
+        self._skipped_in_a_row = 0
+
+    def drafting_pays(self, rows: int, block_size: int) -> bool:
+        """Whether a step with a drafter pass, at the running acceptance, beats a plain step of `rows` rows."""
+        survival, a = [], 1.0
+        for p in self.acceptance.conditional(block_size):
+            a *= p
+            survival.append(a)
+        ks = allocate_verify([survival] * rows, lambda B: self.costs.step_seconds(rows, B))
+        tau = rows + sum(sum(survival[:k]) for k in ks)
+        with_draft = tau / self.costs.step_seconds(rows, rows + sum(ks))
+        return with_draft > rows / self.costs.step_seconds(rows, rows, draft=False)
+
+    def wants_draft(self, rows: int, block_size: int) -> bool:
+        """Whether this step runs the drafter (always, except for cost while drafting does not pay)."""
+        if self.name != "cost" or self.costs is None or not any(self.costs.draft_s.values()):
+            return True
+        if self.drafting_pays(rows, block_size) or self._skipped_in_a_row + 1 >= self.probe_every:
+            self._skipped_in_a_row = 0
+            return True
+        self._skipped_in_a_row += 1
+        self.skipped += 1
+        return False
+
+    def observe(self, proposal: Proposal | None, verified: int, accepted: int) -> None:
+        if proposal is not None and proposal.source == "drafter":
+            self.acceptance.record(verified, accepted)
 
     def survival(self, proposal: Proposal) -> list[float]:
         """a_j for one proposal: calibrated confidences, else the draft's own probability of its token."""

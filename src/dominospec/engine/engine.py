@@ -29,6 +29,7 @@ from ..decode.lookup import PromptLookup
 from ..decode.proposers import make_proposer
 from ..decode.schedule import make_batch_policy
 from ..decode.step import SeqState, accept, block_tokens, commit, pad_blocks, rollback_length, start
+from ..devices import release_openmp_workers
 from ..errors import DominoError
 from .request import EngineFull, EngineRequest, RequestHandle, RequestResult
 
@@ -112,6 +113,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._stats = {"steps": 0, "tokens_out": 0, "requests_finished": 0, "cycles": 0, "committed": 0}
+        self._stats["draft_skipped"] = 0  # steps the cost policy ran without a drafter pass
         self._accept_by_position = [0] * self.block_size
         self._verified_total = 0
 
@@ -184,10 +186,14 @@ class Engine:
             pass
 
     def start(self) -> None:
-        """Step in a background thread while there is work (it sleeps when there is none)."""
+        """Step in a background thread while there is work (it sleeps when there is none).
+
+        The caller's idle OpenMP workers are released first: left parked, they throttle the wake-ups of
+        the engine thread's own workers (see devices.release_openmp_workers)."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
+            release_openmp_workers()
             self._stop = False
             self._thread = threading.Thread(target=self._loop, name="dominospec-engine", daemon=True)
             self._thread.start()
@@ -307,6 +313,12 @@ class Engine:
         ks = [0] * len(rows)
         if self.proposer is not None:
             rooms = [r.seq.room(self.block_size, self.max_len - 1) for r in rows]
+            # decided from earlier steps only (lossless); lookup's copies cost nothing, so never skipped
+            skippable = self.drafter is not None and not self.use_lookup
+            if skippable and not self.policy.wants_draft(len(rows), self.block_size):
+                rooms = [0] * len(rows)
+                with self._lock:
+                    self._stats["draft_skipped"] += 1
             proposals = self.proposer.propose([r.seq for r in rows], rooms)
             ks = self.policy.verify_lengths(proposals, [r.seq.committed_len - 1 for r in rows])
         lo, hi = min(r.slot for r in rows), max(r.slot for r in rows) + 1
@@ -328,6 +340,7 @@ class Engine:
             if self.proposer is not None:
                 feats = out.features[i : i + 1, : n + 1] if out.features is not None else None
                 self.proposer.observe(seq, p, k, n, feats)
+                self.policy.observe(p, k, n)
                 self._record_cycle(k, n, len(new))
             self._emit(r, new)
         return True

@@ -330,9 +330,15 @@ class Block(nn.Module):
             qk = ctx.rope.apply(qk, ctx.cos, ctx.sin)  # one RoPE for q and k together
         q, k = qk[:, :, :Hq], qk[:, :, Hq:]  # [B, S, Hq, D], [B, S, Hkv, D]
         kc, vc = cache.k[layer], cache.v[layer]  # [B, Hkv, max_len, D]
-        for rows, p in ctx.writes:  # padding columns land past the row's length: never read
-            kc[rows, :, p : p + S] = k[rows].transpose(1, 2)
-            vc[rows, :, p : p + S] = v[rows].transpose(1, 2)
+        # padding columns land past the row's length: never read
+        if ctx.scatter is None:  # every row starts at ctx.start: one slice write each
+            p = ctx.start
+            kc[:, :, p : p + S] = k.transpose(1, 2)
+            vc[:, :, p : p + S] = v.transpose(1, 2)
+        else:  # ragged rows: one indexed write each, row b at its own positions pos[b]
+            rows, pos = ctx.scatter  # [B, 1], [B, S]
+            kc[rows, :, pos] = k  # the indexed axes come first: [B, S, Hkv, D], as k is
+            vc[rows, :, pos] = v
         keys, vals = kc[:, :, : ctx.T], vc[:, :, : ctx.T]  # [B, Hkv, T, D] views, no copy
         if ctx.grouped:  # S == 1, no mask: fold the q heads of one kv group into the query axis
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, vals, scale=self.scale)
@@ -356,7 +362,8 @@ class _Step:
     rope: Rope
     cos: torch.Tensor
     sin: torch.Tensor
-    writes: list  # (rows, start position): one entry for all rows when they start together
+    start: int  # where every row writes when they start together
+    scatter: tuple[torch.Tensor, torch.Tensor] | None  # else (rows [B, 1], positions [B, S])
     T: int
     mask: torch.Tensor | None
     grouped: bool
@@ -424,12 +431,12 @@ class NativeModel(nn.Module):
         if B == 1 or len(set(starts)) == 1:  # same positions in every row: slice, no gather
             p = starts[0]
             cos, sin = cos[None, p : p + S, None], sin[None, p : p + S, None]  # [1, S, 1, D]
-            pos = None
-            writes = [(slice(None), p)]
+            pos, scatter = None, None
         else:
+            p = 0
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(S, device=self.device)
             cos, sin = cos[pos][:, :, None], sin[pos][:, :, None]  # [B, S, 1, D]
-            writes = [(slice(b, b + 1), p) for b, p in enumerate(starts)]
+            scatter = (torch.arange(B, device=self.device)[:, None], pos)
         mask = None
         if S > 1 or any(p + t != T for p, t in zip(starts, n)):
             # Causal with per-row offset; padding queries see their prefix too (no all-False rows).
@@ -439,7 +446,7 @@ class NativeModel(nn.Module):
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
             mask = mask.masked_fill_(~allowed, float("-inf"))[:, None]  # [B or 1, 1, S, T]
         grouped = mask is None and S == 1
-        ctx = _Step(self.rope, cos, sin, writes, T, mask, grouped)
+        ctx = _Step(self.rope, cos, sin, p, scatter, T, mask, grouped)
 
         want, feats = set(feature_layers or []), {}
         x = F.embedding(input_ids, self.embed)  # [B, S, H]
