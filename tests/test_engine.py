@@ -10,7 +10,7 @@ from conftest import assert_matches_distribution, exact_distribution, tiny_draft
 
 from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
 from dominospec.decode import CostTable, PromptLookup, Proposal
-from dominospec.decode.schedule import BatchCostTable, BatchPolicy, VerifyPolicy, allocate_verify
+from dominospec.decode.schedule import BatchCostTable, BatchPolicy, VerifyPolicy, allocate_verify, make_batch_policy
 from dominospec.engine import Engine, EngineFull, EngineRequest
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(1.0)
@@ -191,6 +191,23 @@ def test_cost_engine_skips_the_drafter_while_it_does_not_pay_and_stays_exact(tar
     skipped, steps = outcome[1.0]
     assert steps / 2 < skipped < steps  # mostly plain steps, and some probes drafted
     assert outcome[0.0][0] == 0
+
+
+def test_engine_cost_policy_measures_a_missing_batched_table_once(target, drafter, tmp_path, monkeypatch):
+    """No manual profile step for the engine either: the first cost engine measures a quick table with the
+    batched rows, stores it, and the next one reuses it silently."""
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
+    said = []
+    policy = make_batch_policy("cost", drafter, target, report=said.append)
+    assert any("quick one" in s for s in said) and any("batched cost table" in s for s in said)
+    assert sorted(policy.costs.seconds) == [1, 2, 4, 8] and len(list((tmp_path / "profiles").glob("*.json"))) == 1
+    said.clear()
+    again = make_batch_policy("cost", drafter, target, report=said.append)
+    assert not any("measuring" in s for s in said) and again.costs.seconds == policy.costs.seconds
+    engine = Engine(target, drafter, policy="cost", max_batch=2)  # reads the stored table
+    h = engine.submit(EngineRequest([1, 2, 3], 12, eos_ids=[]))
+    engine.run_until_idle()
+    assert h.wait(0).tokens == generate_autoregressive(target, [1, 2, 3], 12, eos_ids=[]).tokens
 
 
 def test_batch_policy_skips_drafting_from_earlier_steps_and_probes():

@@ -37,7 +37,8 @@ def parse_concurrency(spec: str) -> list[int]:
 
 
 def make_engine(target, drafter, policy: str, max_batch: int, block_size=None, costs=None, max_len=None) -> Engine:
-    """The engine of one bench policy: plain, fixed/static/cost (drafter), lookup alone, hybrid (drafter + lookup)."""
+    """The engine of one bench policy: plain, fixed/static/cost (drafter), lookup alone and the hybrid (drafter +
+    lookup), both cost-scheduled."""
     if policy not in ENGINE_POLICIES:
         raise DominoError(f"engine policy {policy!r}: choose from {', '.join(ENGINE_POLICIES)}")
     if policy in ("fixed", "static", "cost", "hybrid") and drafter is None:
@@ -45,10 +46,10 @@ def make_engine(target, drafter, policy: str, max_batch: int, block_size=None, c
     kw = dict(max_batch=max_batch, max_queue=max(64, 2 * max_batch), max_len=max_len, block_size=block_size)
     if policy == "plain":
         return Engine(target, **kw)
-    if policy == "lookup":
-        return Engine(target, lookup=True, policy="fixed", **kw)
+    if policy == "lookup":  # lookup and the hybrid are scheduled by cost too (fixed loses under load)
+        return Engine(target, lookup=True, policy="cost", costs=costs, **kw)
     if policy == "hybrid":
-        return Engine(target, drafter, lookup=True, policy="fixed", **kw)
+        return Engine(target, drafter, lookup=True, policy="cost", costs=costs, **kw)
     return Engine(target, drafter, policy=policy, costs=costs, **kw)
 
 

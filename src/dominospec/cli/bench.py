@@ -288,7 +288,8 @@ def add_parser(sub) -> None:
         "--policies",
         default="plain,fixed,cost",
         help=f"engine policies for --concurrency: comma list of {', '.join(ENGINE_POLICIES)} (lookup: prompt "
-        "lookup alone; hybrid: drafter + lookup; cost needs `dominospec profile`) (default %(default)s)",
+        "lookup alone; hybrid: drafter + lookup, both cost-scheduled; cost, lookup and hybrid read this device's "
+        "cost table, measured on first use when missing) (default %(default)s)",
     )
     g = p.add_argument_group("verify cost profile")
     g.add_argument(

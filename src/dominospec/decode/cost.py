@@ -225,6 +225,7 @@ def profile_device(
         table["draft"]["drafter"] = profile_drafter_label(drafter)
     if batch_rows and getattr(target, "native", None) is not None:
         table["batch"] = profile_batch_cost(target, drafter, batch_rows, min(usable), min(max_k, 9), repeats, seed)
+        table["batch"]["drafter"] = profile_drafter_label(drafter) if drafter is not None else None
     return table
 
 
@@ -284,12 +285,20 @@ QUICK_CONTEXTS = (256, 1024)
 QUICK_REPEATS = 3
 
 
-def ensure_profile(target, drafter=None, max_k: int = 9, report=log, contexts: Sequence[int] = QUICK_CONTEXTS) -> dict:
+def ensure_profile(
+    target,
+    drafter=None,
+    max_k: int = 9,
+    report=log,
+    contexts: Sequence[int] = QUICK_CONTEXTS,
+    batch_rows: Sequence[int] = (),
+) -> dict:
     """The device profile, measured now (a short one) when none is stored or the stored one is damaged.
 
     A quick profile covers k = 1..max_k at `contexts` with QUICK_REPEATS repeats (a few seconds)
     and, with a drafter, its draft cost; `dominospec profile` measures the full table. A stored
-    profile that lacks this drafter's draft cost gets it added.
+    profile that lacks this drafter's draft cost gets it added; with batch_rows (the engine), one
+    that lacks the batched table (or has it for another drafter) gets a quick one.
     """
     path = profile_path(device_fingerprint(target))
     table = None
@@ -315,6 +324,17 @@ def ensure_profile(target, drafter=None, max_k: int = 9, report=log, contexts: S
         usable = sorted(int(c) for c in table["verify"])
         table["draft"] = profile_draft_cost(target, drafter, usable[0], QUICK_REPEATS)
         table["draft"]["drafter"] = profile_drafter_label(drafter)
+        save_profile(table)
+    label = profile_drafter_label(drafter) if drafter is not None else None
+    batch = table.get("batch") or {}
+    if batch_rows and getattr(target, "native", None) is not None and (not batch or batch.get("drafter") != label):
+        report(
+            f"measuring the engine's batched cost table for {list(batch_rows)} rows (a few seconds; "
+            "`dominospec profile --batch-rows` measures the full one)"
+        )
+        context = min(int(c) for c in table["verify"])
+        table["batch"] = profile_batch_cost(target, drafter, batch_rows, context, min(max_k, 9), QUICK_REPEATS)
+        table["batch"]["drafter"] = label
         save_profile(table)
     return table
 

@@ -25,6 +25,8 @@ from .lookup import LOOKUP_BLOCK_SIZE
 from .propose import Proposal, draft_block, draft_rows
 from .step import SeqState
 
+PENDING = "draft_pending"  # SeqState.extra: target features not yet in the drafter's cache
+
 
 class DrafterProposer:
     def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True, draft_one=None):
@@ -50,15 +52,25 @@ class DrafterProposer:
         if self.rows is not None:
             self.rows.release(slot)
         seq.draft_cache = None
+        seq.extra.pop(PENDING, None)
 
     def extend(self, seq: SeqState, features: torch.Tensor) -> None:
-        self.drafter.extend_cache(seq.draft_cache, features)
+        """Queue committed positions' target features; they enter the drafter's cache before its next
+        proposal, all at once (a cycle without drafting then costs no drafter work at all)."""
+        seq.extra.setdefault(PENDING, []).append(features)
+
+    def _flush(self, seq: SeqState) -> None:
+        pending = seq.extra.pop(PENDING, None)
+        if pending:
+            self.drafter.extend_cache(seq.draft_cache, pending[0] if len(pending) == 1 else torch.cat(pending, 1))
 
     def propose(self, seqs: list[SeqState], rooms: list[int]) -> list[Proposal | None]:
         live = [i for i, b in enumerate(rooms) if b > 0]
         out: list[Proposal | None] = [None] * len(seqs)
         if not live:
             return out
+        for i in live:
+            self._flush(seqs[i])
         dev = self.drafter.fc.weight.device if hasattr(self.drafter, "fc") else None
         if len(live) == 1:  # one sequence: the batch-1 path (no mask, no gather)
             i = live[0]
@@ -85,7 +97,7 @@ class DrafterProposer:
         return out
 
     def observe(self, seq: SeqState, proposal, verified: int, accepted: int, features: torch.Tensor) -> None:
-        self.drafter.extend_cache(seq.draft_cache, features)  # the anchor and the accepted drafts
+        self.extend(seq, features)  # the anchor and the accepted drafts
 
 
 class LookupProposer:

@@ -33,12 +33,13 @@ from ..drafter.checkpoint import CALIBRATION_NAME, sidecar_path
 from ..errors import DominoError
 from ..io import positive_numbers, read_json_object
 from ..log import log_once
-from .cost import ensure_profile, load_profile, profile_drafter_label
+from .cost import ensure_profile, profile_drafter_label
 from .lookup import LOOKUP_BLOCK_SIZE
 from .propose import Proposal
 
 VERIFY_MODES = ("fixed", "static", "cost")
 DEFAULT_THRESHOLD = 0.5
+ENGINE_PROFILE_ROWS = (1, 2, 4, 8)  # the batched cost table measured on first use by the engine's cost policy
 
 
 def calibrated_confidence(logits: torch.Tensor, temperatures: Sequence[float] | None) -> torch.Tensor:
@@ -488,11 +489,9 @@ def make_batch_policy(
     if isinstance(costs, CostTable):
         costs = BatchCostTable.from_single(costs)
     if costs is None:
-        profile = load_profile(target) if target is not None else None
-        if profile is None:
-            raise DominoError(
-                "engine policy cost needs this device's cost table: run `dominospec profile` first (it is "
-                "stored per device, backend, dtype and thread count)"
-            )
+        if target is None:
+            raise DominoError("engine policy cost needs the target, to read or measure this device's cost table")
+        widest_b = block_size or (drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
+        profile = ensure_profile(target, drafter, max_k=widest_b + 1, report=report, batch_rows=ENGINE_PROFILE_ROWS)
         costs = BatchCostTable.from_profile(profile) or BatchCostTable.from_single(CostTable.from_profile(profile))
     return BatchPolicy(mode, single, costs)
