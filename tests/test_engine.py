@@ -38,6 +38,10 @@ def engine_for(kind, target, drafter, **kw):
         return Engine(target, lookup=True, policy="fixed", **kw)
     if kind == "hybrid":
         return Engine(target, drafter, lookup=True, policy="fixed", **kw)
+    if kind == "lookup-cost":
+        return Engine(target, lookup=True, policy="cost", costs=COSTS, **kw)
+    if kind == "hybrid-cost-skipping":  # a dear draft pass: many steps run on the lookup's copies alone
+        return Engine(target, drafter, lookup=True, policy="cost", costs=CostTable(COSTS.verify_s, 1.0), **kw)
     return Engine(target, drafter, policy=kind, costs=COSTS if kind == "cost" else None, **kw)
 
 
@@ -90,7 +94,9 @@ class _OneRowPolicy(VerifyPolicy):
         return self.batch.verify_lengths([proposal], [context])[0]
 
 
-@pytest.mark.parametrize("kind", ["plain", "fixed", "static", "cost", "lookup", "hybrid"])
+@pytest.mark.parametrize(
+    "kind", ["plain", "fixed", "static", "cost", "lookup", "hybrid", "lookup-cost", "hybrid-cost-skipping"]
+)
 def test_mixed_batch_gives_every_greedy_request_its_batch1_output(kind, target, drafter):
     """Different prompt lengths, budgets and sampling settings; rows join mid-run, leave at EOS or budget."""
     engine = engine_for(kind, target, drafter, max_batch=3, prefill_chunk=4)
@@ -117,6 +123,8 @@ def test_mixed_batch_gives_every_greedy_request_its_batch1_output(kind, target, 
             assert got.tokens == ref.tokens, (kind, prompt)
         assert got.finish_reason == ("stop" if eos else "length") and 0 < len(got.tokens) <= budget
     assert engine.stats()["active_rows"] == 0 and engine.stats()["requests_finished"] == len(reqs)
+    if kind == "hybrid-cost-skipping":
+        assert engine.stats()["draft_skipped"] > 0
 
 
 @pytest.mark.parametrize("head", ["domino", "none"])

@@ -327,7 +327,9 @@ def ensure_profile(
         save_profile(table)
     label = profile_drafter_label(drafter) if drafter is not None else None
     batch = table.get("batch") or {}
-    if batch_rows and getattr(target, "native", None) is not None and (not batch or batch.get("drafter") != label):
+    owner = batch.get("drafter", (table.get("draft") or {}).get("drafter"))  # older tables: the profile's drafter
+    stale = not batch or (label is not None and owner != label)  # without a drafter any table's forwards do
+    if batch_rows and getattr(target, "native", None) is not None and stale:
         report(
             f"measuring the engine's batched cost table for {list(batch_rows)} rows (a few seconds; "
             "`dominospec profile --batch-rows` measures the full one)"

@@ -148,9 +148,13 @@ class HybridProposer:
     def extend(self, seq, features):
         self.drafter.extend(seq, features)
 
-    def propose(self, seqs, rooms):
+    def copies(self, seqs, rooms) -> list[Proposal | None]:
+        """The lookup's proposals alone (None where its match is too short): a cycle without the drafter."""
         found = self.lookup.matches(seqs, rooms)
-        take = [p if p is not None and n >= s.lookup.min_match else None for s, (p, n) in zip(seqs, found)]
+        return [p if p is not None and n >= s.lookup.min_match else None for s, (p, n) in zip(seqs, found)]
+
+    def propose(self, seqs, rooms):
+        take = self.copies(seqs, rooms)
         rest = [i for i, p in enumerate(take) if p is None]
         if rest:
             drafted = self.drafter.propose([seqs[i] for i in rest], [rooms[i] for i in rest])

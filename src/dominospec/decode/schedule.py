@@ -494,4 +494,6 @@ def make_batch_policy(
         widest_b = block_size or (drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
         profile = ensure_profile(target, drafter, max_k=widest_b + 1, report=report, batch_rows=ENGINE_PROFILE_ROWS)
         costs = BatchCostTable.from_profile(profile) or BatchCostTable.from_single(CostTable.from_profile(profile))
+        if drafter is None:  # prompt lookup alone: no draft pass to pay for
+            costs.draft_s = {}
     return BatchPolicy(mode, single, costs)

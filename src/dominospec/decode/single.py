@@ -155,10 +155,7 @@ def generate_speculative(
         if drafter is None or verify.wants_draft(before - 1):  # earlier cycles only: lossless when sampling
             proposal = proposer.propose([seq], [room])[0]
         else:  # drafting does not pay now: the cycle is one plain decode step (a hybrid still copies)
-            proposal = None
-            if isinstance(proposer, HybridProposer):
-                copy, matched = proposer.lookup.matches([seq], [room])[0]
-                proposal = copy if copy is not None and matched >= lookup.min_match else None
+            proposal = proposer.copies([seq], [room])[0] if isinstance(proposer, HybridProposer) else None
             if proposal is None:
                 res.draft_skipped += 1
         # k drafts verified: decided from the drafts and confidences only, never from the target's verdict

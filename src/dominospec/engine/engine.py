@@ -313,14 +313,15 @@ class Engine:
         ks = [0] * len(rows)
         if self.proposer is not None:
             rooms = [r.seq.room(self.block_size, self.max_len - 1) for r in rows]
-            # decided from earlier steps only (lossless); lookup's copies cost nothing, so never skipped
-            skippable = self.drafter is not None and not self.use_lookup
-            if skippable and not self.policy.wants_draft(len(rows), self.block_size):
-                rooms = [0] * len(rows)
+            seqs = [r.seq for r in rows]
+            # decided from earlier steps only (lossless); the hybrid's lookup copies cost nothing and stay
+            if self.drafter is not None and not self.policy.wants_draft(len(rows), self.block_size):
                 with self._lock:
                     self._stats["draft_skipped"] += 1
-            proposals = self.proposer.propose([r.seq for r in rows], rooms)
-            ks = self.policy.verify_lengths(proposals, [r.seq.committed_len - 1 for r in rows])
+                proposals = self.proposer.copies(seqs, rooms) if self.use_lookup else [None] * len(rows)
+            else:
+                proposals = self.proposer.propose(seqs, rooms)
+            ks = self.policy.verify_lengths(proposals, [s.committed_len - 1 for s in seqs])
         lo, hi = min(r.slot for r in rows), max(r.slot for r in rows) + 1
         blocks = [torch.zeros(1, dtype=torch.long, device=dev)] * (hi - lo)  # idle slots: 0 new tokens
         num_new = [0] * (hi - lo)
