@@ -362,3 +362,20 @@ def test_bench_runs_each_verify_policy_lookup_and_hybrid_side_by_side(llama_targ
     cfg = {m["name"]: m for m in res["config"]["methods"]}
     assert cfg["domino-2L-b3-static"]["confidence_threshold"] == 0.6
     assert cfg["hybrid-domino-2L-b3"]["hybrid_lookup_min_match"] == 3
+
+
+def test_cost_policy_starts_from_the_drafters_measured_acceptance(llama_target, tmp_path):
+    """acceptance.json (what `--block-size auto` reads) is the running estimate's prior: a drafter measured
+    to be rarely accepted is not drafted for from the first cycle on; without the file, 0.5 everywhere."""
+    drafter = confident_drafter(llama_target)
+    costs = CostTable(COSTS.verify_s, draft_s=0.1)
+    fresh = make_policy("cost", drafter, llama_target, costs=costs)
+    assert fresh.acceptance.conditional(2) == [0.5, 0.5] and fresh.wants_draft()
+    drafter.directory = tmp_path
+    (tmp_path / "acceptance.json").write_text(json.dumps({"conditional": [0.05, 0.1, 0.1, 0.1]}))
+    policy = make_policy("cost", drafter, llama_target, costs=costs)
+    assert policy.acceptance.conditional(2) == pytest.approx([0.05, 0.1])
+    assert not policy.wants_draft()
+    for _ in range(40):  # then the live outcomes take over
+        policy.acceptance.record(4, 4)
+    assert policy.acceptance.conditional(1)[0] > 0.9 and policy.wants_draft()

@@ -32,8 +32,9 @@ def _f(x, digits: int = 2) -> str:
 
 def format_method_table(methods: dict) -> str:
     lines = [
-        "| method | tok/s | speedup | tau | verified/cycle | wasted/cycle | mismatches | prompts | new tokens |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | tok/s | speedup | tau | verified/cycle | wasted/cycle | no-draft cycles | mismatches | prompts "
+        "| new tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in methods.items():
         mm = "-" if m["lossless_mismatches"] is None else str(m["lossless_mismatches"])
@@ -41,10 +42,16 @@ def format_method_table(methods: dict) -> str:
             mm += f" ({m['not_near_tie']} not near-tie)"
         lines.append(
             f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | "
-            f"{_f(m.get('verified_per_cycle'))} | {_f(m.get('wasted_per_cycle'))} | {mm} | "
+            f"{_f(m.get('verified_per_cycle'))} | {_f(m.get('wasted_per_cycle'))} | {_share(m)} | {mm} | "
             f"{m['num_prompts']} | {m['new_tokens']} |"
         )
     return "\n".join(lines)
+
+
+def _share(m: dict) -> str:
+    """Cycles the cost policy ran without drafting (a plain step), as a percentage; '-' without cycles."""
+    x = m.get("draft_skipped_share")
+    return "-" if x is None else f"{100 * x:.0f}%"
 
 
 def format_acceptance_table(methods: dict, key: str) -> str:
@@ -90,7 +97,8 @@ def render_report(results: dict, plots: bool = False) -> str:
         "All methods ran in one process, after a warm-up, interleaved per prompt; speedup is "
         "tokens/s over `ar` (plain decoding through the same adapter) on the same prompts; tau counts the "
         "bonus token (1.0 for methods without draft cycles); verified/cycle = drafts the target checked per "
-        "cycle (its forward covers one more token), wasted/cycle = those it rejected. Suffixes: -static / "
+        "cycle (its forward covers one more token), wasted/cycle = those it rejected; no-draft cycles = cycles the "
+        "cost policy ran as a plain step because drafting did not pay. Suffixes: -static / "
         "-cost = confidence-scheduled verification, -nohead = the ablation; hybrid-X = X with prompt lookup.",
         "",
         "## Overall",

@@ -217,7 +217,8 @@ def add_verify_args(p: argparse.ArgumentParser, several: bool = False, auto: boo
             default="fixed,static,cost",
             help="comma list of verify-length policies to run each drafter (and hybrid) with: fixed "
             "(every draft), static (stop before the first slot under --confidence-threshold), "
-            "cost (stop where expected tokens/s stops rising; needs `dominospec profile`); "
+            "cost (draft and verify only where expected tokens/s rises; the device profile is measured on "
+            "first use); "
             "static and cost are skipped for drafters without a confidence head (default %(default)s)",
         )
     else:

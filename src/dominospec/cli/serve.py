@@ -53,7 +53,7 @@ def cmd_serve(args) -> int:
     drafter = None
     if args.drafter not in (LOOKUP, NONE) and args.verify != "plain":
         drafter = resolve_drafter(target, args.drafter)
-    verify = args.verify or ("fixed" if drafter is not None or lookup else "plain")
+    verify = args.verify or ("cost" if drafter is not None or lookup else "plain")
     if verify != "plain" and drafter is None and not lookup:
         raise DominoError(
             f"--verify {verify} drafts, but there is no drafter (none ships for {target.name!r}): "
@@ -109,8 +109,9 @@ def add_parser(sub) -> None:
         default=None,
         choices=("plain", "fixed", "static", "cost"),
         help="verify-length policy over the batch: plain (no drafting), fixed (every draft), static "
-        "(confidence threshold), cost (DSpark's scheduler; needs `dominospec profile`) "
-        "(default: fixed with a drafter, plain without)",
+        "(confidence threshold), cost (DSpark's scheduler over the batch: drafts only while it pays, verifies "
+        "what the measured cost of a forward pays for; the device's cost table is measured on first use) "
+        "(default: cost with a drafter or lookup, plain without: under load it measured best, docs/engine.md)",
     )
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per cycle (default: the drafter's)")
     p.add_argument(

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafter.checkpoint import CALIBRATION_NAME, sidecar_path
+from ..drafter.checkpoint import ACCEPTANCE_NAME, CALIBRATION_NAME, sidecar_path
 from ..errors import DominoError
 from ..io import positive_numbers, read_json_object
 from ..log import log_once
-from .cost import ensure_profile, profile_drafter_label
+from .cost import ensure_profile, profile_drafter_label, read_acceptance
 from .lookup import LOOKUP_BLOCK_SIZE
 from .propose import Proposal
 
@@ -139,12 +139,14 @@ class StaticPolicy(ConfidencePolicy):
 class RunningAcceptance:
     """P(draft k accepted | drafts < k were), per block position, from recent drafter cycles.
 
-    Counts decay by `decay` per observed cycle (a window of about 1 / (1 - decay) cycles), with a
-    uniform prior, as the lookup proposer's running acceptance; a position never judged reads 0.5.
+    Counts decay by `decay` per observed cycle (a window of about 1 / (1 - decay) cycles), on top of a
+    prior worth two cycles: `prior[k]` (the drafter's measured acceptance.json) or 0.5 (uniform, as
+    the lookup proposer's running acceptance); a position never judged reads its prior.
     """
 
-    def __init__(self, decay: float = 0.95):
+    def __init__(self, decay: float = 0.95, prior: Sequence[float] | None = None):
         self.decay = decay
+        self.prior = list(prior or [])
         self.judged: list[float] = []
         self.passed: list[float] = []
 
@@ -163,7 +165,8 @@ class RunningAcceptance:
         for k in range(b):
             judged = self.judged[k] if k < len(self.judged) else 0.0
             passed = self.passed[k] if k < len(self.passed) else 0.0
-            out.append((passed + 1.0) / (judged + 2.0))
+            p = self.prior[k] if k < len(self.prior) else 0.5
+            out.append((passed + 2.0 * p) / (judged + 2.0))
         return out
 
 
@@ -173,13 +176,14 @@ class CostPolicy(ConfidencePolicy):
     greedy: bool = False  # T=0: every verify length is lossless, so take the best k of the whole curve
     block_size: int = 8  # drafts a drafter cycle proposes (for the skip decision)
     probe_every: int = 16  # while skipping, draft once every this many cycles to refresh the estimate
+    prior: list[float] | None = None  # the drafter's acceptance.json, the running estimate's starting point
     name = "cost"
 
     def __post_init__(self):
         self.start()
 
     def start(self) -> None:
-        self.acceptance = RunningAcceptance()
+        self.acceptance = RunningAcceptance(prior=self.prior)
         self.skipped_in_a_row = 0
         self.skipped = 0
 
@@ -311,7 +315,14 @@ def make_policy(
                 f"are verified per cycle (rerun `dominospec profile --max-k {widest_b + 1}`)"
             )
     b = block_size or (drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
-    return CostPolicy(temps, note, costs=costs, greedy=greedy, block_size=b)
+    return CostPolicy(temps, note, costs=costs, greedy=greedy, block_size=b, prior=acceptance_prior(drafter))
+
+
+def acceptance_prior(drafter) -> list[float] | None:
+    """The drafter's measured acceptance by position (acceptance.json), where it has one: what the
+    cost policy's running estimate starts from (else 0.5 at every position)."""
+    path = sidecar_path(drafter, ACCEPTANCE_NAME) if drafter is not None else None
+    return read_acceptance(path) if path is not None and path.exists() else None
 
 
 # ----- over a whole batch: one verify budget for every running sequence -----
@@ -399,9 +410,16 @@ class BatchPolicy:
     loses, the step is plain decoding, and every probe_every-th such step drafts anyway.
     """
 
-    def __init__(self, mode: str, single: VerifyPolicy, costs: BatchCostTable | None = None, probe_every: int = 16):
+    def __init__(
+        self,
+        mode: str,
+        single: VerifyPolicy,
+        costs: BatchCostTable | None = None,
+        probe_every: int = 16,
+        prior: Sequence[float] | None = None,
+    ):
         self.name, self.single, self.costs, self.probe_every = mode, single, costs, probe_every
-        self.acceptance = RunningAcceptance()
+        self.acceptance = RunningAcceptance(prior=prior)
         self.skipped = 0  # steps that ran without a drafter pass
         self._skipped_in_a_row = 0
 
@@ -496,4 +514,4 @@ def make_batch_policy(
         costs = BatchCostTable.from_profile(profile) or BatchCostTable.from_single(CostTable.from_profile(profile))
         if drafter is None:  # prompt lookup alone: no draft pass to pay for
             costs.draft_s = {}
-    return BatchPolicy(mode, single, costs)
+    return BatchPolicy(mode, single, costs, prior=acceptance_prior(drafter))
