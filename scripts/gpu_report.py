@@ -223,7 +223,53 @@ def engine_section(args, dev, report, save) -> None:
             )
             print(f"engine {shape} {args.engine_dtype} plain C={c}: {n} tokens in {wall:.2f} s = {n / wall:.0f} tok/s")
             save()
+        # the same work without the engine: the batch-1 loop over the C=1 prompts, one after the other
+        prompts = random_prompts(2, args.prompt_len, target.vocab_size, 1)
+        synchronize(dev)
+        t0 = time.perf_counter()
+        n = sum(len(generate_autoregressive(target, p, args.engine_tokens, eos_ids=[]).tokens) for p in prompts)
+        synchronize(dev)
+        wall = time.perf_counter() - t0
+        rows.append(
+            dict(
+                model=shape,
+                dtype=args.engine_dtype,
+                policy="batch-1 loop (generate_autoregressive)",
+                concurrency=1,
+                requests=2,
+                prompt_len=args.prompt_len,
+                new_tokens=args.engine_tokens,
+                tokens=n,
+                wall_s=wall,
+                tokens_per_s=n / wall,
+            )
+        )
+        print(f"batch-1 loop {shape}: {n} tokens in {wall:.2f} s = {n / wall:.0f} tok/s", flush=True)
+        if args.profile_engine and shape == args.engine_models[0]:
+            profile_engine(target, prompts[:1], args.out / "engine_profile.txt")
+        save()
         release(target, model)
+
+
+def profile_engine(target, prompts, path: Path) -> None:
+    """cProfile of one engine run and one batch-1 run (C = 1, 32 tokens): where a step's time goes on the host."""
+    import cProfile
+    import io
+    import pstats
+
+    text = io.StringIO()
+    for name, work in (
+        ("engine, policy plain, C=1", lambda: run_engine(target, prompts, 32, 1)),
+        ("batch-1 loop", lambda: [generate_autoregressive(target, p, 32, eos_ids=[]) for p in prompts]),
+    ):
+        prof = cProfile.Profile()
+        prof.enable()
+        work()
+        synchronize(target.device)
+        prof.disable()
+        text.write(f"===== {name} =====\n")
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    path.write_text(text.getvalue())
 
 
 # ----- (c) token identity in reduced precision -----
@@ -372,6 +418,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--engine-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--profile-engine", action="store_true", help="write engine_profile.txt (cProfile, C = 1)")
     ap.add_argument("--identity-model", default="smollm2-135m")
     ap.add_argument("--identity-runs", default="fp32:1,bf16:1,bf16:8", help="dtype:final-norm scale, ...")
     ap.add_argument("--identity-prompts", type=int, default=16)

@@ -28,7 +28,10 @@ pytestmark = [
 ]
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(1.0)
-TOL = {torch.float64: 1e-9, torch.float32: 1e-4}  # relative to the largest reference logit
+# Relative to the largest reference logit. float64 is held to 1e-6, not 1e-9: transformers computes the
+# rotary tables in fp32 whatever the model's dtype (the native path copies it), and CUDA's fp32 sin/cos
+# round differently from the CPU's; on an H200 that alone left 3-4e-7 on both backends.
+TOL = {torch.float64: 1e-6 if DEVICE.type == "cuda" else 1e-9, torch.float32: 1e-4}
 
 
 def on_device(reference: Target, dtype, backend: str) -> Target:
