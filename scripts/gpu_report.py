@@ -16,7 +16,7 @@ SmolLM2-135M, Llama-3.2-1B and Qwen3-4B. Three sections, each written to JSON as
             reported with the position of its first differing token; `--sharpen` scales the final
             norm (so the logits) to show how the count depends on the margins of the random model.
 
-    PYTHONPATH=src python3 scripts/gpu_report.py --out runs/gpu            # on a CUDA machine (~4 min on an H200)
+    PYTHONPATH=src python3 scripts/gpu_report.py --out runs/gpu            # on a CUDA machine (5-7 min on an H200)
     PYTHONPATH=src python3 scripts/gpu_report.py --device cpu --tiny --out runs/gpu-dry   # dry run
 """
 
