@@ -70,6 +70,26 @@ def test_a_missing_profile_is_measured_once_then_reused(llama_target, tmp_path, 
     drafter = tiny_drafter(llama_target, block_size=2)  # a drafter's cost is added to the stored table
     with_draft = cost.ensure_profile(llama_target, drafter, max_k=3, report=said.append, contexts=(16,))
     assert with_draft["draft"]["b"] == [1, 2] and cost.load_profile(llama_target)["draft"]["b"] == [1, 2]
+    assert len(with_draft["draft"]["seconds_sampled"]) == 2 and with_draft["draft"]["method"] == cost.DRAFT_METHOD
+    # a draft cost timed the old way (the backbone and rollout alone, no cache update) is measured again
+    old = {**with_draft, "draft": {k: v for k, v in with_draft["draft"].items() if k != "method"}}
+    cost.save_profile(old)
+    again = cost.ensure_profile(llama_target, drafter, max_k=3, report=said.append, contexts=(16,))
+    assert again["draft"]["method"] == cost.DRAFT_METHOD
+
+
+def test_sampling_reads_the_sampled_draft_cost(llama_target):
+    from dominospec.decode.schedule import CostTable
+
+    drafter = tiny_drafter(llama_target, block_size=2)
+    table = {
+        "verify": {"256": {"k": [1, 2], "seconds": [0.01, 0.012]}},
+        "draft": {"drafter": cost.profile_drafter_label(drafter), "b": [1, 2], "seconds": [0.002, 0.003]},
+    }
+    assert CostTable.from_profile(table, drafter, 2, sampled=True).draft_s == 0.003  # no sampled column: greedy's
+    table["draft"]["seconds_sampled"] = [0.004, 0.005]
+    assert CostTable.from_profile(table, drafter, 2, sampled=True).draft_s == 0.005
+    assert CostTable.from_profile(table, drafter, 2).draft_s == 0.003
 
 
 GOOD = {"fingerprint": {}, "verify": {"256": {"k": [1, 2], "seconds": [0.01, 0.012]}}}

@@ -281,12 +281,17 @@ def format_device_profile(table: dict) -> str:
         d = table["draft"]
         lines += [
             "",
-            f"draft cycle ({d.get('drafter', 'drafter')}, context {d['context']}):",
+            f"draft cycle ({d.get('drafter', 'drafter')}, context {d['context']}; the drafter's cache takes two "
+            "committed positions, then the block is drafted):",
             "",
-            "| b drafts | ms |",
-            "|---:|---:|",
+            "| b drafts | ms, greedy | ms, sampled |",
+            "|---:|---:|---:|",
         ]
-        lines += [f"| {b} | {1e3 * s:.1f} |" for b, s in zip(d["b"], d["seconds"])]
+        sampled = d.get("seconds_sampled") or [None] * len(d["b"])
+        lines += [
+            f"| {b} | {1e3 * s:.1f} | {'-' if t is None else f'{1e3 * t:.1f}'} |"
+            for b, s, t in zip(d["b"], d["seconds"], sampled)
+        ]
     if "batch" in table:  # the engine's table: R rows of k new tokens each, B = R * k
         bt = table["batch"]
         lines += ["", f"batched forward (engine), context {bt['context']}, ms by rows R and new tokens per row k:", ""]

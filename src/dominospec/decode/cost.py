@@ -110,29 +110,48 @@ def profile_path(fingerprint: dict) -> Path:
     return cache_dir() / "profiles" / f"{key}.json"
 
 
+DRAFT_METHOD = "extend-2+draft"  # what a draft-cycle timing covers; profiles timed otherwise are measured again
+
+
 @torch.inference_mode()
 def profile_draft_cost(target, drafter, context: int = 256, repeats: int = 7, seed: int = 0) -> dict:
-    """Median time of one draft cycle (backbone pass + head rollout) for b = 1..block_size drafts."""
+    """Median time of one draft cycle as decoding pays it, for b = 1..block_size drafts: the drafter's
+    cache takes the target features of two committed positions (the anchor and one accepted draft),
+    then the backbone pass and the head's rollout. Greedy (`seconds`) and sampled at T=1
+    (`seconds_sampled`: the rollout draws from the draft distribution)."""
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, target.vocab_size, (1, context), generator=gen).to(target.device)
     cache = target.new_cache(max_len=context + 1)
     out = target.forward(ctx, cache, last_logits_only=True, layer_ids=drafter.config.target_layer_ids)
     dcache = drafter.new_cache()
-    drafter.extend_cache(dcache, out.features)
+    drafter.extend_cache(dcache, out.features[:, :-2])
+    committed, base = out.features[:, -2:], dcache.length
     anchor = ctx[0, -1:]
-    greedy = SamplingConfig()
+    draw = torch.Generator(device=target.device).manual_seed(seed)
+    kinds = {"seconds": SamplingConfig(), "seconds_sampled": SamplingConfig(1.0)}
     bs = list(range(1, drafter.config.block_size + 1))
+
+    def cycle(b: int, sampling: SamplingConfig) -> None:
+        dcache.rows.set_length(dcache.slot, base)
+        drafter.extend_cache(dcache, committed)
+        draft_block(drafter, dcache, anchor, b, sampling, None if sampling.greedy else draw)
+
     for b in bs:  # warm-up
-        draft_block(drafter, dcache, anchor, b, greedy, None)
-    times: dict[int, list[float]] = {b: [] for b in bs}
+        for sampling in kinds.values():
+            cycle(b, sampling)
+    times = {(kind, b): [] for kind in kinds for b in bs}
     for _ in range(repeats):
         for b in bs:
-            synchronize(target.device)
-            t0 = time.perf_counter()
-            draft_block(drafter, dcache, anchor, b, greedy, None)
-            synchronize(target.device)
-            times[b].append(time.perf_counter() - t0)
-    return {"context": context, "b": bs, "seconds": [statistics.median(times[b]) for b in bs]}
+            for kind, sampling in kinds.items():
+                synchronize(target.device)
+                t0 = time.perf_counter()
+                cycle(b, sampling)
+                synchronize(target.device)
+                times[kind, b].append(time.perf_counter() - t0)
+    table = {"context": context, "b": bs, "method": DRAFT_METHOD}
+    for kind in kinds:
+        table[kind] = [statistics.median(times[kind, b]) for b in bs]
+    return table
 
 
 @torch.inference_mode()
@@ -320,7 +339,10 @@ def ensure_profile(
         table = profile_device(target, drafter, usable, max_k, QUICK_REPEATS, progress=False)
         table["quick"] = True
         save_profile(table)
-    elif drafter is not None and table.get("draft", {}).get("drafter") != profile_drafter_label(drafter):
+    elif drafter is not None and (
+        table.get("draft", {}).get("drafter") != profile_drafter_label(drafter)
+        or table["draft"].get("method") != DRAFT_METHOD
+    ):
         usable = sorted(int(c) for c in table["verify"])
         table["draft"] = profile_draft_cost(target, drafter, usable[0], QUICK_REPEATS)
         table["draft"]["drafter"] = profile_drafter_label(drafter)

@@ -63,13 +63,16 @@ class CostTable:
     draft_s: float = 0.0
 
     @classmethod
-    def from_profile(cls, profile: dict, drafter=None, block_size: int | None = None) -> CostTable:
-        """From a `dominospec profile` table; its draft cost counts only if it was profiled for this drafter."""
+    def from_profile(
+        cls, profile: dict, drafter=None, block_size: int | None = None, sampled: bool = False
+    ) -> CostTable:
+        """From a `dominospec profile` table; its draft cost counts only if it was profiled for this drafter.
+        sampled: the draft cycle's cost when the rollout samples (T > 0), where the profile has it."""
         verify = {int(c): [float(s) for s in v["seconds"]] for c, v in profile["verify"].items()}
         draft = 0.0
         d = profile.get("draft")
         if d and drafter is not None and d.get("drafter") == profile_drafter_label(drafter):
-            by_b = dict(zip(d["b"], d["seconds"]))
+            by_b = dict(zip(d["b"], d["seconds_sampled"] if sampled and d.get("seconds_sampled") else d["seconds"]))
             draft = float(by_b.get(block_size or drafter.config.block_size, 0.0))
         return cls(verify, draft)
 
@@ -307,7 +310,7 @@ def make_policy(
             raise DominoError("--verify cost needs the target, to read or measure this device's cost table")
         widest_b = block_size or (drafter.config.block_size if drafter is not None else LOOKUP_BLOCK_SIZE)
         profile = ensure_profile(target, drafter, max_k=widest_b + 1, report=report)
-        costs = CostTable.from_profile(profile, drafter, block_size)
+        costs = CostTable.from_profile(profile, drafter, block_size, sampled=not greedy)
         widest = max(len(v) for v in costs.verify_s.values())
         if widest < widest_b + 1:
             report(
