@@ -222,3 +222,16 @@ def test_cli_calibrate_and_scheduled_generate_refuse_bad_inputs(char_model, tmp_
         capsys, "generate", "hi", "--target", char_model, "--drafter", drafter, "--confidence-threshold", "1.5"
     )
     assert rc == 2 and "--confidence-threshold" in err
+
+
+def test_generate_defaults_to_cost_scheduled_lookup_and_names_it(capsys, char_model):
+    """Protects the measured default (docs/speed.md): without --drafter, prompt lookup with cost-scheduled
+    verification runs, says so, and stays lossless; --drafter shipped needs a shipped drafter."""
+    args = ("generate", "hi", "--target", char_model, "--max-new-tokens", "8", "--json")
+    rc, out, _ = run_cli_json(capsys, *args)
+    rc_plain, plain, _ = run_cli_json(capsys, *args, "--no-draft")
+    assert rc == rc_plain == 0 and out["configuration"] == "lookup, verify cost" and out["text"] == plain["text"]
+    rc, err = run_cli(capsys, *args, "--drafter", "shipped")
+    assert rc == 2 and "no drafter is shipped" in err
+    rc, err = run_cli(capsys, *args, "--no-lookup")
+    assert rc == 2 and "--no-lookup leaves nothing to draft with" in err

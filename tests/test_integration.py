@@ -213,9 +213,9 @@ def test_shipped_default_drafter_is_used_and_lossless(capsys, smollm):
         shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}
     assert not [n for n, s in shapes.items() if sorted(s) == sorted(table)], shapes  # no embedding / LM head copy
     prompt = "What is 12 times 7? Answer briefly."
-    assert main(["generate", prompt, "--max-new-tokens", "24", "--json"]) == 0
+    assert main(["generate", prompt, "--drafter", "shipped", "--max-new-tokens", "24", "--json"]) == 0
     spec = json.loads(capsys.readouterr().out)
-    assert spec["tau"] is not None and spec["cycles"] > 0
+    assert spec["tau"] is not None and spec["cycles"] > 0 and spec["configuration"].startswith("hybrid")
     assert main(["generate", prompt, "--no-draft", "--max-new-tokens", "24", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert spec["text"] == plain["text"] and spec["new_tokens"] == plain["new_tokens"]
