@@ -7,7 +7,8 @@ Runs the library's own shard generator (data/prepare.py) on the same builtin pro
 and, with --pydoc N, the off-policy labelling pass (supervised tokens per CPU-second).
 Rounds are interleaved in one process and timed with this thread's CPU clock, so a core shared
 with another job slows every path alike; run pinned, e.g.
-    taskset -c 0 python scripts/datagen_speed.py --batch-sizes 8,16,32 --prompts 32 --max-new-tokens 256
+    taskset -c 0 python scripts/datagen_speed.py --batch-sizes 8,16 --max-new-tokens 384
+Each run answers one default-sized shard (8 batches) of the same builtin prompts, as prepare-data does.
 """
 
 import argparse
@@ -27,7 +28,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--target", default="smollm2-135m")
 p.add_argument("--batch-sizes", default="8,16,32")
 p.add_argument("--methods", default="hf-batch,native-batch,native-slots")
-p.add_argument("--prompts", type=int, default=32)
+p.add_argument("--batches", type=int, default=8, help="prompts per run, in batches (prepare-data's default shard)")
 p.add_argument("--max-new-tokens", type=int, default=256)
 p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--pydoc", type=int, default=0, help="also time labelling this many off-policy texts")
@@ -38,9 +39,9 @@ args = p.parse_args()
 torch.set_num_threads(args.threads)
 targets = {b: Target.load(args.target, backend=b) for b in ("hf", "native")}
 codec = ChatCodec.for_target(targets["native"])
-convs = builtin_prompts(args.prompts, seed=5)
-base = PrepareConfig(max_new_tokens=args.max_new_tokens, temperature=0.7, top_p=0.8, seed=1, shard_size=args.prompts)
 sizes = [int(b) for b in args.batch_sizes.split(",")]
+convs = builtin_prompts(args.batches * max(sizes), seed=5)
+base = PrepareConfig(max_new_tokens=args.max_new_tokens, temperature=0.7, top_p=0.8, seed=1)
 methods = args.methods.split(",")
 
 _generate_shard(targets["native"], codec, convs[:2], 0, 2, replace(base, batch_size=2), lambda c: None)  # warm-up
@@ -49,9 +50,10 @@ for rnd in range(args.rounds):
     for bs in sizes:
         for method in methods:
             backend, sampler = method.split("-")
-            cfg = replace(base, batch_size=bs, shard_size=bs * -(-args.prompts // bs), sampler=sampler)
+            n_prompts = args.batches * bs  # one shard of prepare-data's default size
+            cfg = replace(base, batch_size=bs, shard_size=n_prompts, sampler=sampler)
             cpu0, wall0 = time.thread_time(), time.perf_counter()
-            _, stats = _generate_shard(targets[backend], codec, convs, 0, len(convs), cfg, lambda c: None)
+            _, stats = _generate_shard(targets[backend], codec, convs, 0, n_prompts, cfg, lambda c: None)
             cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
             n = stats["generated_tokens"]
             rows.append(dict(round=rnd, method=method, batch=bs, tokens=n, cpu_s=cpu, wall_s=wall))
@@ -71,14 +73,14 @@ for rnd in range(args.rounds):
             flush=True,
         )
 
-print("\nmedian generated tokens per CPU-second (ratio to hf-batch at the same batch size):")
+print(f"\nmedian generated tokens per CPU-second (ratio to {methods[0]} at the same batch size):")
 for bs in sizes:
     line = []
     for method in methods:
         rates = sorted(r["tokens"] / r["cpu_s"] for r in rows if r["method"] == method and r["batch"] == bs)
         line.append((method, rates[len(rates) // 2]))
-    ref = dict(line).get("hf-batch")
-    print(f"B={bs:3d}: " + ", ".join(f"{m} {v:.1f}" + (f" ({v / ref:.2f}x)" if ref else "") for m, v in line))
+    ref = line[0][1]
+    print(f"B={bs:3d}: " + ", ".join(f"{m} {v:.1f} ({v / ref:.2f}x)" for m, v in line))
 if args.json:
     with open(args.json, "w") as f:
         json.dump(rows, f, indent=1)

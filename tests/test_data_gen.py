@@ -6,7 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import CONVERSATIONS, CharCodec, tiny_target, write_prompts
+from conftest import CONVERSATIONS, CharCodec, run_cli, tiny_target, write_prompts
 from conftest import PREPARE as CFG
 
 from dominospec import DominoError
@@ -266,3 +266,28 @@ def test_builtin_runs_keep_their_prompt_fingerprint():
     part = manifest["parts"][0]
     convs = builtin_prompts(1024, seed=11)
     assert prompts_fingerprint(convs) == part["settings"]["prompts_sha256"]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_prepare_data_cli_mixes_builtin_and_pydoc_on_smollm2_and_extends(tmp_path, cli_smollm, capsys):
+    """The real target: slots by default on the native forward, pydoc texts tokenized as plain text after the
+    template's assistant opening, and the run added to a data set whose manifest records both kinds of labels."""
+    target = cli_smollm
+    args = ["prepare-data", "--prompts", "builtin:3", "--prompts", "pydoc:2", "--max-new-tokens", "16"]
+    args += ["--batch-size", "2", "--seed", "1", "--out", tmp_path / "run", "--extend", tmp_path / "ds"]
+    rc, err = run_cli(capsys, *args)
+    assert rc == 0, err
+    part = read_manifest(tmp_path / "ds")["parts"][0]
+    assert part["settings"]["sampler"] == "slots"
+    assert [s["labels"] for s in part["prompt_sources"]] == ["on-policy", ARGMAX]
+    samples = load_dataset_dir(tmp_path / "ds", target)[1]
+    texts = [s for s in samples if s.get("labels") == ARGMAX]
+    assert len(texts) == 2 and len(samples) == 5
+    stored = {r["id"]: r for r in dataset_prompts(tmp_path / "ds")}
+    for s in texts:
+        question, text = stored[s["id"].split(":", 1)[1]]["turns"]
+        prompt = target.encode_chat([{"role": "user", "content": question}])
+        assert s["input_ids"] == prompt + target.encode_raw(text)[:16]  # the text after the assistant opening
+    rc, err = run_cli(capsys, *args)  # the same command again: nothing regenerated, the part not added twice
+    assert rc == 0 and len(read_manifest(tmp_path / "ds")["parts"]) == 1
