@@ -1,20 +1,86 @@
-"""Generated tokens/s of batched on-policy regeneration: transformers generate vs the native sampler."""
+"""Generated tokens per CPU-second of prepare-data's answer writing, old and new paths side by side.
 
-import sys
+Runs the library's own shard generator (data/prepare.py) on the same builtin prompts with:
+  hf-batch      transformers' generate in static batches (how data/smollm2-135m was made)
+  native-batch  the native forward in static batches (prepare-data's path before --sampler slots)
+  native-slots  the native forward, cache rows refilled as answers end (--sampler slots)
+and, with --pydoc N, the off-policy labelling pass (supervised tokens per CPU-second).
+Rounds are interleaved in one process and timed with this thread's CPU clock, so a core shared
+with another job slows every path alike; run pinned, e.g.
+    taskset -c 0 python scripts/datagen_speed.py --batch-sizes 8,16 --max-new-tokens 384
+Each run answers one default-sized shard (8 batches) of the same builtin prompts, as prepare-data does.
+"""
+
+import argparse
+import json
 import time
+from collections import Counter
+from dataclasses import replace
 
 import torch
 
 from dominospec import Target
 from dominospec.data.builtin import builtin_prompts
+from dominospec.data.offpolicy import label_texts, pydoc_texts
+from dominospec.data.prepare import ChatCodec, PrepareConfig, _generate_shard
 
-torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
-convs = builtin_prompts(16, seed=5)
-for backend in ("hf", "native", "hf", "native"):
-    t = Target.load("smollm2-135m", backend=backend)
-    prompts = [t.encode_chat(c.turns[0]) for c in convs]
-    t0 = time.perf_counter()
-    out = t.sample_batch(prompts, 128, temperature=0.7, top_p=0.8, seed=1)
-    dt = time.perf_counter() - t0
-    n = sum(len(a) for a in out)
-    print(f"{backend}: {len(prompts)} prompts, {n} tokens in {dt:.1f}s = {n / dt:.1f} generated tok/s", flush=True)
+p = argparse.ArgumentParser()
+p.add_argument("--target", default="smollm2-135m")
+p.add_argument("--batch-sizes", default="8,16,32")
+p.add_argument("--methods", default="hf-batch,native-batch,native-slots")
+p.add_argument("--batches", type=int, default=8, help="prompts per run, in batches (prepare-data's default shard)")
+p.add_argument("--max-new-tokens", type=int, default=256)
+p.add_argument("--rounds", type=int, default=2)
+p.add_argument("--pydoc", type=int, default=0, help="also time labelling this many off-policy texts")
+p.add_argument("--threads", type=int, default=1)
+p.add_argument("--json", default=None, help="write the per-run numbers here")
+args = p.parse_args()
+
+torch.set_num_threads(args.threads)
+targets = {b: Target.load(args.target, backend=b) for b in ("hf", "native")}
+codec = ChatCodec.for_target(targets["native"])
+sizes = [int(b) for b in args.batch_sizes.split(",")]
+convs = builtin_prompts(args.batches * max(sizes), seed=5)
+base = PrepareConfig(max_new_tokens=args.max_new_tokens, temperature=0.7, top_p=0.8, seed=1)
+methods = args.methods.split(",")
+
+_generate_shard(targets["native"], codec, convs[:2], 0, 2, replace(base, batch_size=2), lambda c: None)  # warm-up
+rows = []
+for rnd in range(args.rounds):
+    for bs in sizes:
+        for method in methods:
+            backend, sampler = method.split("-")
+            n_prompts = args.batches * bs  # one shard of prepare-data's default size
+            cfg = replace(base, batch_size=bs, shard_size=n_prompts, sampler=sampler)
+            cpu0, wall0 = time.thread_time(), time.perf_counter()
+            _, stats = _generate_shard(targets[backend], codec, convs, 0, n_prompts, cfg, lambda c: None)
+            cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+            n = stats["generated_tokens"]
+            rows.append(dict(round=rnd, method=method, batch=bs, tokens=n, cpu_s=cpu, wall_s=wall))
+            rate = f"{n / cpu:6.1f} tok/CPU-s, {n / wall:6.1f} tok/s wall"
+            print(f"round {rnd} {method:13s} B={bs:3d}: {n} tokens, {rate}", flush=True)
+    if args.pydoc:
+        texts = pydoc_texts(args.pydoc, seed=rnd)
+        cpu0 = time.thread_time()
+        _, stats = label_texts(targets["native"], codec, texts, 8, args.max_new_tokens)
+        cpu = time.thread_time() - cpu0
+        s = Counter(stats)
+        rows.append(dict(round=rnd, method="pydoc-label", batch=8, tokens=s["text_tokens"], cpu_s=cpu))
+        print(
+            f"round {rnd} pydoc-label: {s['text_tokens']} text tokens ({s['agreeing_tokens']} supervised) in "
+            f"{cpu:.1f} CPU-s = {s['text_tokens'] / cpu:.0f} text tok/CPU-s, "
+            f"{s['agreeing_tokens'] / cpu:.0f} supervised tok/CPU-s",
+            flush=True,
+        )
+
+print(f"\nmedian generated tokens per CPU-second (ratio to {methods[0]} at the same batch size):")
+for bs in sizes:
+    line = []
+    for method in methods:
+        rates = sorted(r["tokens"] / r["cpu_s"] for r in rows if r["method"] == method and r["batch"] == bs)
+        line.append((method, rates[len(rates) // 2]))
+    ref = line[0][1]
+    print(f"B={bs:3d}: " + ", ".join(f"{m} {v:.1f} ({v / ref:.2f}x)" for m, v in line))
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)

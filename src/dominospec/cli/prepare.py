@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..data.extend import add_part, check_extendable
@@ -25,6 +26,7 @@ def cmd_prepare(args) -> int:
         batch_size=args.batch_size,
         shard_size=shard_size,
         enable_thinking=args.enable_thinking,
+        sampler=args.sampler or "batch",
     )
     require_at_least(args, 1, "limit")
     check_prompt_specs(args.prompts)
@@ -52,6 +54,8 @@ def cmd_prepare(args) -> int:
     if args.extend:
         check_free_space(args.extend, need // 4, "--extend")
     target = target or target_from_args(args)
+    if args.sampler is None:  # the faster one wherever the target runs natively
+        cfg = replace(cfg, sampler="slots" if getattr(target, "native", None) is not None else "batch")
     if args.extend:
         check_extendable(args.extend, target)
     prepare_data(target, conversations, args.out, cfg, sources=sources, on_error=args.on_error)
@@ -88,7 +92,9 @@ def add_parser(sub) -> None:
         metavar="SOURCE",
         help="a JSONL file (turns / ShareGPT conversations / messages / prompt layouts), "
         "builtin:N (offline prompts from the Python stdlib, math templates, man pages), "
-        "self:N (questions the target writes itself, deduplicated, degenerate ones dropped) or "
+        "self:N (questions the target writes itself, deduplicated, degenerate ones dropped), "
+        "pydoc:N (off-policy: stdlib docstrings and source as answers the target did not write, supervised "
+        "where the target's greedy pick agrees; one prefill pass each, see docs/data.md) or "
         "hf:NAME[:SPLIT]; repeat to mix sources",
     )
     p.add_argument("--out", required=True, help="output directory (created; an existing one is resumed)")
@@ -107,6 +113,15 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.8, help="nucleus sampling mass (default %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="conversations generated together (default %(default)s)")
+    p.add_argument(
+        "--sampler",
+        choices=("slots", "batch"),
+        default=None,
+        help="slots: a fixed number of cache rows (--batch-size), each refilled with the next prompt as soon "
+        "as its answer ends, one random stream per answer (native backend); batch: static batches, one "
+        "stream per batch (how runs were made before). Part of the run's identity (default: slots where "
+        "the target runs natively, else batch)",
+    )
     p.add_argument(
         "--shard-size",
         type=int,

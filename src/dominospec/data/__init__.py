@@ -1,9 +1,12 @@
-"""Training data: prompts in, on-policy conversations (answers written by the target) out.
+"""Training data: prompts in, on-policy conversations (answers written by the target) out; off-policy
+texts the target only reads, labelled by it.
 
 prompts.py      prompt files (JSONL layouts) and Hugging Face datasets -> Conversations
 builtin.py      the offline built-in prompt source (stdlib code, math templates, man pages)
 selfwritten.py  prompts the target writes itself (--prompts self:N)
-sources.py      --prompts specs (FILE, builtin:N, self:N, hf:NAME) -> Conversations
+offpolicy.py    off-policy texts (--prompts pydoc:N) and their labels from one target pass
+sources.py      --prompts specs (FILE, builtin:N, self:N, pydoc:N, hf:NAME) -> Conversations
+sampler.py      answers through cache rows refilled as answers end (--sampler slots)
 prepare.py      the prepare-data stage: regeneration by the target, sharded, resumable
 store.py        data sets made of parts: manifest, compact npz samples, checksums
 extend.py       prepare-data --extend: a finished run added as a data set's next part

@@ -120,9 +120,7 @@ def _write_part(tmp: Path, run_dir: Path, meta: dict, conversations) -> dict:
     """The part's files in `tmp` (meta.json, prompts, compact shards), each fsynced; {name: sha256}."""
     shutil.copyfile(run_dir / "meta.json", tmp / "meta.json")
     if conversations is not None:
-        lines = "".join(
-            json.dumps({"id": c.id, "turns": list(c.turns)}, ensure_ascii=False) + "\n" for c in conversations
-        )
+        lines = "".join(json.dumps(_prompt_record(c), ensure_ascii=False) + "\n" for c in conversations)
         with gzip.GzipFile(tmp / "prompts.jsonl.gz", "wb", mtime=0) as f:  # mtime 0: same bytes every time
             f.write(lines.encode("utf-8"))
     for shard in sorted(run_dir.glob("samples-*.jsonl")):
@@ -133,6 +131,11 @@ def _write_part(tmp: Path, run_dir: Path, meta: dict, conversations) -> dict:
             os.fsync(f.fileno())
         files[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
     return files
+
+
+def _prompt_record(c) -> dict:
+    """A conversation as prompts.jsonl.gz keeps it; off-policy ones say so (kind: their labels; question, text)."""
+    return {"id": c.id, "turns": list(c.turns), **({"kind": c.kind} if c.kind != "chat" else {})}
 
 
 def run_fingerprint(run_dir: Path) -> str:

@@ -25,9 +25,14 @@ batch size) and is written atomically (tmp file + os.replace), after its stats f
 that exists is complete, so a run killed at any moment and restarted with the same arguments
 redoes only missing shards. Batches are aligned to multiples of the batch size and each batch's
 sampling seed is derived from the run seed and its first conversation index, so the redone
-shards come out identical to an uninterrupted run. Generation draws one random stream per batch
-(transformers' generate), so a sample depends on its batch mates: the batch size is part of the
+shards come out identical to an uninterrupted run. With sampler "batch", generation draws one
+random stream per batch, so a sample depends on its batch mates; with sampler "slots" (sampler.py:
+cache rows refilled as answers end, the fast path) every answer has its own stream, seeded by
+(seed, conversation index, turn). Either way the batch size and the sampler are part of the
 run's identity, and resuming with another one is refused like any other changed setting.
+
+Off-policy texts (offpolicy.py) in a shard are not answered: after the shard's chats they are
+labelled (by one target pass, or by their own tokens).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -50,13 +55,16 @@ from ..io import (
     write_lines_atomic,
 )
 from ..log import log
-from ..sampling import check_sampling
+from ..sampling import SamplingConfig, check_sampling
 from ..target.context import cap_new_tokens, encode_if_fits, prompt_too_long
 from ..version import __version__
 from .dataset import FORMAT, read_meta, same_target, target_record
+from .offpolicy import TEXT_COUNTS, is_off_policy, label_texts
 from .prompts import Conversation, prompts_fingerprint
+from .sampler import AnswerJob, sample_in_slots
 
 SHARD_BATCHES = 8  # default shard size, in batches: a crash costs at most one shard of work
+SAMPLERS = ("slots", "batch")
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,9 @@ class PrepareConfig:
     batch_size: int = 8
     shard_size: int = 64  # conversations per shard file
     enable_thinking: bool = False  # the chat template's thinking switch (Qwen3's <think> block)
+    # how answers are batched: "batch" (static batches, one random stream per batch: runs made before
+    # the switch existed) or "slots" (rows refilled as answers end, one stream per answer; sampler.py)
+    sampler: str = "batch"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -78,6 +89,8 @@ class PrepareConfig:
         check_sampling(self.temperature, self.top_k, self.top_p, prefix="--")
         if self.batch_size < 1:
             raise DominoError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.sampler not in SAMPLERS:
+            raise DominoError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         if self.shard_size < 1 or self.shard_size % self.batch_size:
             raise DominoError(
                 f"--shard-size {self.shard_size} must be a positive multiple of --batch-size {self.batch_size}"
@@ -93,6 +106,7 @@ class ChatCodec:
     tokenizer_sha256: str | None = None
     chat_template_sha256: str | None = None
     max_token_chars: int | None = None  # see target/context.py: prompts too long by characters alone
+    encode_text: Callable[[str], list[int]] | None = None  # plain text -> ids, no template (off-policy answers)
 
     @classmethod
     def for_target(cls, target, enable_thinking: bool = False) -> ChatCodec:
@@ -102,6 +116,7 @@ class ChatCodec:
             target.tokenizer_fingerprint,
             target.chat_template_fingerprint,
             target.max_token_chars,
+            target.encode_raw,
         )
 
 
@@ -182,17 +197,75 @@ def regenerate_batch(
             seed=batch_seed(cfg.seed, first_index, turn),
         )
         for i, answer in zip(active, answers):
-            text = codec.decode(answer)
-            if not text.strip():
-                stats["empty_answers"] += 1
+            if not _take_answer(stats, builders[i], histories[i], turn, prompts[i], answer, budget, codec, eos, cfg):
                 alive.discard(i)
+    return _finish(builders, stats)
+
+
+def regenerate_in_slots(
+    target,
+    codec: ChatCodec,
+    conversations: list[Conversation],
+    indices: list[int],
+    cfg: PrepareConfig,
+    progress: Callable[[Counter], None] | None = None,
+) -> tuple[list[dict], Counter]:
+    """regenerate_batch's samples and counts, the answers written through cfg.batch_size refilled cache
+    rows (sampler.py) instead of static batches: a conversation's next turn is queued as soon as its
+    answer ends. indices: each conversation's place in the run; the answer to turn t of conversation
+    i is sampled with batch_seed(seed, i, t), so it does not depend on what else is in the batch.
+    progress(counts): told of generated tokens and of every conversation that ends.
+    """
+    progress = progress or (lambda _counts: None)
+    stats = Counter(conversations=len(conversations))
+    builders = [SampleBuilder(c.id) for c in conversations]
+    histories: list[list[dict]] = [[] for _ in conversations]
+    eos, limit = set(target.eos_ids), target.max_positions
+    due = deque((i, 0) for i in range(len(conversations)))  # (conversation, turn) whose answer comes next
+
+    def next_job() -> AnswerJob | None:
+        while due:
+            i, turn = due.popleft()
+            histories[i].append({"role": "user", "content": conversations[i].turns[turn]})
+            prompt = codec.encode(histories[i])
+            if prompt_too_long(len(prompt), limit):
+                stats["turns_over_context"] += 1
+                progress(Counter(conversations=1))
                 continue
-            stats["answers"] += 1
-            stats["generated_tokens"] += len(answer)
-            if answer[-1] not in eos:
-                stats["truncated_answers" if budget == cfg.max_new_tokens else "cut_at_context"] += 1
-            builders[i].add_turn(turn, prompts[i], answer)
-            histories[i].append({"role": "assistant", "content": text})
+            budget = cap_new_tokens(cfg.max_new_tokens, len(prompt), limit)
+            return AnswerJob((i, turn, prompt), prompt, budget, batch_seed(cfg.seed, indices[i], turn))
+        return None
+
+    def on_done(job: AnswerJob) -> None:
+        i, turn, prompt = job.key
+        kept = _take_answer(stats, builders[i], histories[i], turn, prompt, job.answer, job.budget, codec, eos, cfg)
+        if kept and turn + 1 < len(conversations[i].turns):
+            due.appendleft((i, turn + 1))  # first in line: a conversation in progress finishes soon
+            progress(Counter(generated_tokens=len(job.answer)))
+        else:
+            progress(Counter(generated_tokens=len(job.answer) if kept else 0, conversations=1))
+
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
+    sample_in_slots(target, next_job, on_done, cfg.batch_size, sampling, max_len=cfg.max_new_tokens + 256)
+    return _finish(builders, stats)
+
+
+def _take_answer(stats, builder, history, turn, prompt, answer, budget, codec, eos, cfg) -> bool:
+    """Record one answer in its conversation's sample and history; False (counted) for an empty one."""
+    text = codec.decode(answer)
+    if not text.strip():
+        stats["empty_answers"] += 1
+        return False
+    stats["answers"] += 1
+    stats["generated_tokens"] += len(answer)
+    if answer[-1] not in eos:
+        stats["truncated_answers" if budget == cfg.max_new_tokens else "cut_at_context"] += 1
+    builder.add_turn(turn, prompt, answer)
+    history.append({"role": "assistant", "content": text})
+    return True
+
+
+def _finish(builders: list[SampleBuilder], stats: Counter) -> tuple[list[dict], Counter]:
     samples = [s for b in builders for s in b.samples()]
     stats.update(
         samples=len(samples),
@@ -222,6 +295,11 @@ def prepare_data(
     and skipped (on_error="fatal": stopped) before anything is generated. Returns the final
     meta.json content.
     """
+    if cfg.sampler == "slots" and getattr(target, "native", None) is None:
+        raise DominoError(
+            f"--sampler slots needs the native forward, and target {target.name!r} runs on transformers' "
+            "(--backend native, Llama-family models); or pass --sampler batch"
+        )
     codec = codec or ChatCodec.for_target(target, enable_thinking=cfg.enable_thinking)
     conversations, over = fit_to_context(conversations, codec, target.max_positions, on_error)
     if not conversations:
@@ -311,13 +389,25 @@ def _generate_missing_shards(target, codec, conversations, out: Path, cfg: Prepa
 def _generate_shard(
     target, codec, conversations, lo: int, hi: int, cfg: PrepareConfig, on_batch: Callable[[Counter], None]
 ) -> tuple[list[dict], Counter]:
+    """Shard [lo, hi): the chats answered by the target, then the off-policy texts labelled by it."""
     samples, stats = [], Counter()
-    for first in range(lo, hi, cfg.batch_size):
-        batch = conversations[first : min(hi, first + cfg.batch_size)]
-        batch_samples, batch_stats = regenerate_batch(target, codec, batch, first, cfg)
-        samples += batch_samples
-        stats += batch_stats
-        on_batch(batch_stats)
+    chats = [k for k in range(lo, hi) if not is_off_policy(conversations[k])]
+    if cfg.sampler == "slots" and chats:
+        samples, stats = regenerate_in_slots(target, codec, [conversations[k] for k in chats], chats, cfg, on_batch)
+    elif chats:
+        for first in range(lo, hi, cfg.batch_size):  # batches aligned as in runs made before off-policy texts
+            batch = [c for c in conversations[first : min(hi, first + cfg.batch_size)] if not is_off_policy(c)]
+            if batch:
+                batch_samples, batch_stats = regenerate_batch(target, codec, batch, first, cfg)
+                samples += batch_samples
+                stats += batch_stats
+                on_batch(batch_stats)
+    texts = [c for c in conversations[lo:hi] if is_off_policy(c)]
+    if texts:
+        text_samples, text_stats = label_texts(target, codec, texts, cfg.batch_size, cfg.max_new_tokens)
+        samples += text_samples
+        stats += text_stats
+        on_batch(Counter(conversations=len(texts)))
     return samples, stats
 
 
@@ -371,7 +461,9 @@ def _sum_shard_stats(out: Path, n_shards: int) -> dict:
         "turns_over_context",
         "splits",
     )
-    return {key: int(total[key]) for key in keys}
+    counts = {key: int(total[key]) for key in keys}
+    counts.update({key: int(total[key]) for key in TEXT_COUNTS if total[key]})  # runs with off-policy texts
+    return counts
 
 
 # ----- meta.json: the run's identity -----

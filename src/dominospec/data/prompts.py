@@ -32,6 +32,7 @@ class Conversation:
 
     turns: tuple[str, ...]
     id: str
+    kind: str = "chat"  # "chat": the target answers every turn; else off-policy, its label kind (offpolicy.py)
 
 
 # ----- JSONL files -----
@@ -161,7 +162,8 @@ def prompts_fingerprint(conversations: list[Conversation]) -> str:
     """sha256 of the ordered conversations: two runs agree on it exactly when they see the same prompts."""
     h = hashlib.sha256()
     for c in conversations:
-        h.update(json.dumps([c.id, list(c.turns)], ensure_ascii=False).encode())
+        record = [c.id, list(c.turns)] + ([c.kind] if c.kind != "chat" else [])  # chat runs hash as before
+        h.update(json.dumps(record, ensure_ascii=False).encode())
         h.update(b"\n")
     return h.hexdigest()
 

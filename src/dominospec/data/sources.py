@@ -1,13 +1,15 @@
-"""Resolving --prompts values (FILE, builtin[:N], hf:NAME[:SPLIT]) into conversations."""
+"""Resolving --prompts values (FILE, builtin[:N], self:N, pydoc:N, hf:NAME[:SPLIT]) into conversations."""
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 from ..errors import DominoError
 from ..io import read_json_object, write_json_atomic
 from .builtin import builtin_prompts
+from .offpolicy import LABEL_KINDS, pydoc_texts
 from .prompts import Conversation, check_prompt_file, load_hf_dataset, read_prompt_file
 from .selfwritten import self_written_prompts
 
@@ -21,7 +23,12 @@ def load_prompts(
     target=None,
     keep_in: Path | None = None,
 ) -> tuple[list[Conversation], list[dict]]:
-    """Resolve --prompts values (FILE, builtin[:N], self:N, hf:NAME[:SPLIT]) into conversations and source records.
+    """Resolve --prompts values (FILE, builtin[:N], self:N, pydoc:N, hf:NAME[:SPLIT]) into conversations and
+    source records.
+
+    pydoc:N is off-policy text (offpolicy.py): stdlib docstrings and source the target reads but did
+    not write; its record says so ("kind": "off-policy", "labels": "target-argmax" or "text"), every
+    other source's says "labels": "on-policy".
 
     self:N (prompts the target writes itself) needs `target`; with `keep_in` (the run's output
     directory) the questions are kept there and reused when the run is resumed, not written again.
@@ -38,6 +45,11 @@ def load_prompts(
             n = _count(spec)
             convs = _self_written(target, n, seed, report, keep_in)
             record = {"spec": spec, "kind": "self", "seed": seed}
+        elif spec.startswith("pydoc:"):
+            n, labels = _pydoc_spec(spec)
+            convs = pydoc_texts(n, seed, labels)
+            record = {"spec": spec, "kind": "off-policy", "text": "pydoc", "seed": seed, "python": _python()}
+            record["labels"] = labels
         elif spec.startswith("hf:"):
             name, _, split = spec[3:].partition(":")
             convs, record = load_hf_dataset(name, split or "train", on_error, report), {"spec": spec, "kind": "hf"}
@@ -47,6 +59,7 @@ def load_prompts(
             convs = read_prompt_file(path, on_error, source=source, report=report)
             record = {"spec": spec, "kind": "file", "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
         names.update(c.id.rsplit(":", 1)[0] for c in convs)
+        record.setdefault("labels", "on-policy")
         record["conversations"] = len(convs)
         conversations.extend(convs)
         sources.append(record)
@@ -96,11 +109,26 @@ def check_prompt_specs(specs: list[str]) -> None:
     for spec in specs:
         if spec.startswith(("builtin:", "self:")):
             _count(spec)
+        elif spec.startswith("pydoc:"):
+            _pydoc_spec(spec)
         elif spec.startswith("hf:"):
             if not spec[3:].partition(":")[0]:
                 raise DominoError(f"--prompts {spec!r}: expected hf:NAME[:SPLIT]")
         elif spec != "builtin":
             check_prompt_file(spec)
+
+
+def _pydoc_spec(spec: str) -> tuple[int, str]:
+    """pydoc:N[:argmax|text] -> (N, label kind)."""
+    head, _, labels = spec.rpartition(":") if spec.count(":") == 2 else (spec, "", "argmax")
+    if labels not in LABEL_KINDS:
+        raise DominoError(f"--prompts {spec!r}: expected pydoc:N or pydoc:N:LABELS with LABELS one of argmax, text")
+    return _count(head), LABEL_KINDS[labels]
+
+
+def _python() -> str:
+    """The Python whose standard library the pydoc texts come from (another version, other texts)."""
+    return ".".join(map(str, sys.version_info[:3]))
 
 
 def is_self_written(specs: list[str]) -> bool:

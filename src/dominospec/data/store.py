@@ -8,7 +8,9 @@ On disk (DIR):
     part-000/prompts.jsonl.gz   the run's conversations (id and user turns), so anyone can check
                            what the data was made from (held-out prompts, for one)
     part-000/samples-00000.npz  token ids as uint16 (uint32 for larger vocabularies), loss masks as
-                           packed bits, sample lengths and ids; zlib-compressed
+                           packed bits, sample lengths and ids; zlib-compressed. A shard holding
+                           off-policy samples also has "labels" (per sample: "on-policy" or
+                           "target-argmax"); shards without it are all on-policy
 
 A part, once added, is never rewritten: extending a data set adds part-001, part-002, ... and
 leaves the earlier files byte for byte as they were. Every part must come from the same target
@@ -30,6 +32,7 @@ from ..errors import DominoError
 from ..io import atomic_path, is_temporary, json_field, read_json_object
 
 MANIFEST = "manifest.json"
+ON_POLICY = "on-policy"  # a sample's labels when it says nothing else: the target wrote its supervised tokens
 FORMAT = "dominospec-dataset/1"
 SHARED = ("target", "vocab_size", "tokenizer_sha256", "chat_template_sha256", "eos_ids")
 PART_SETTINGS = (
@@ -40,6 +43,7 @@ PART_SETTINGS = (
     "seed",
     "batch_size",
     "enable_thinking",
+    "sampler",
     "prompts_sha256",
     "conversations_total",
 )
@@ -95,16 +99,20 @@ def write_npz_shard(path: Path, samples: list[dict], vocab_size: int) -> None:
         with open(tmp, "wb") as f:
             lengths = np.asarray([len(s["input_ids"]) for s in samples], dtype=np.int64)
             names = np.asarray([s["id"] for s in samples])
-            np.savez_compressed(f, ids=ids, mask=np.packbits(mask), length=lengths, sample_id=names)
+            kinds = [s.get("labels", ON_POLICY) for s in samples]
+            # only shards holding off-policy samples get the array: on-policy shards stay as they were
+            extra = {"labels": np.asarray(kinds)} if any(k != ON_POLICY for k in kinds) else {}
+            np.savez_compressed(f, ids=ids, mask=np.packbits(mask), length=lengths, sample_id=names, **extra)
 
 
 def read_npz_shard(path: Path) -> list[dict]:
     try:
         with np.load(path, allow_pickle=False) as z:
             ids, packed, lengths, names = z["ids"], z["mask"], z["length"], z["sample_id"]
+            kinds = z["labels"].tolist() if "labels" in z.files else [ON_POLICY] * len(names)
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         raise DominoError(f"{path}: not a readable compact shard ({exc})") from None
-    if int(lengths.sum()) != ids.shape[0] or len(names) != len(lengths):
+    if int(lengths.sum()) != ids.shape[0] or len(names) != len(lengths) or len(kinds) != len(names):
         raise DominoError(
             f"{path}: lengths ({int(lengths.sum())} tokens, {len(names)} ids) do not match its {ids.shape[0]} token ids"
         )
@@ -112,10 +120,12 @@ def read_npz_shard(path: Path) -> list[dict]:
         raise DominoError(f"{path}: not a readable compact shard (arrays of the wrong shape)")
     mask = np.unpackbits(packed)[: ids.shape[0]]
     out, start = [], 0
-    for name, n in zip(names.tolist(), lengths.tolist()):
-        out.append(
-            {"id": name, "input_ids": ids[start : start + n].tolist(), "loss_mask": mask[start : start + n].tolist()}
-        )
+    for name, n, kind in zip(names.tolist(), lengths.tolist(), kinds):
+        sample = {"id": name, "input_ids": ids[start : start + n].tolist()}
+        sample["loss_mask"] = mask[start : start + n].tolist()
+        if kind != ON_POLICY:
+            sample["labels"] = kind  # off-policy: how its loss mask was chosen (offpolicy.py)
+        out.append(sample)
         start += n
     return out
 

@@ -1,0 +1,105 @@
+"""On-policy answers through a fixed number of cache rows, each refilled as soon as its answer ends.
+
+A static batch decodes until its longest answer ends: rows that finished early either ride along
+as padding or are dropped, and the batch shrinks to its stragglers. Here the batch is a set of
+slots (rows of one native KV cache, as in the serving engine): when a row's answer ends, the next
+waiting job is prefilled into that row alone and joins the very next decode step, so every step
+runs with a full batch until the work runs out.
+
+A job is one answer: (prompt ids, token budget, seed). Each job draws from its own random
+generator seeded by the job, so what it samples does not depend on which jobs share the batch.
+Jobs may be added while others run (the next turn of a conversation, after its answer so far).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingConfig, sample_rows
+
+
+@dataclass
+class AnswerJob:
+    """One answer to write: the prompt it continues, how many tokens it may take, its sampling seed."""
+
+    key: object  # the caller's handle (conversation index and turn)
+    prompt: list[int]
+    budget: int
+    seed: int
+    answer: list[int] = field(default_factory=list)
+
+
+@torch.inference_mode()
+def sample_in_slots(
+    target,
+    next_job: Callable[[], AnswerJob | None],
+    on_done: Callable[[AnswerJob], None],
+    slots: int,
+    sampling: SamplingConfig,
+    max_len: int = 1024,
+) -> int:
+    """Answer jobs until next_job() has none left and every row is done; returns the decode steps run.
+
+    next_job: the next waiting job or None (called whenever a row is free, so it may hand out jobs
+    that on_done queued). on_done(job): called once per job, its answer complete (EOS included,
+    or `budget` tokens). The cache starts at max_len positions per row and grows if a job needs more.
+    """
+    native, dev = target.native, target.device
+    eos = set(target.eos_ids)
+    cache = native.new_cache(batch=slots, max_len=max_len)
+    jobs: list[AnswerJob | None] = [None] * slots  # the job in each cache row
+    gens: list[torch.Generator | None] = [None] * slots
+    logits = torch.zeros(slots, native.cfg.vocab_size, dtype=native.dtype, device=dev)  # [R, V] next-token logits
+    exhausted, steps = False, 0
+    while True:
+        for r in range(len(jobs)):  # refill free rows: each new prompt prefilled alone, no padding computed
+            while jobs[r] is None and not exhausted:
+                job = next_job()
+                if job is None:
+                    exhausted = True
+                elif job.budget < 1:
+                    on_done(job)  # nothing to write (no room left in the context); may queue more
+                else:
+                    _prefill(native, cache, r, job, logits, dev)
+                    jobs[r] = job
+                    gens[r] = torch.Generator(device=dev).manual_seed(job.seed)
+        busy = [r for r, job in enumerate(jobs) if job is not None]
+        if not busy:
+            return steps
+        if exhausted and len(jobs) - len(busy) >= max(1, len(jobs) // 4):
+            # no more work to fill them: free rows leave the cache, a quarter at a time (a drop copies it)
+            cache.keep_rows(busy)
+            logits = logits[busy]
+            jobs, gens = [jobs[r] for r in busy], [gens[r] for r in busy]
+            busy = list(range(len(jobs)))
+        picks = [0] * len(jobs)
+        for r, t in zip(busy, sample_rows(logits[busy], sampling, [gens[r] for r in busy])):
+            job = jobs[r]
+            job.answer.append(t)
+            if t in eos or len(job.answer) >= job.budget:
+                on_done(job)
+                exhausted = False  # on_done may have queued the conversation's next turn: ask again
+                jobs[r] = gens[r] = None
+                cache.set_length(r, 0)
+            else:
+                picks[r] = t
+        going = [int(job is not None) for job in jobs]
+        if not any(going):
+            continue  # every row ended at once: refill before running anything
+        cache.ensure(max(cache.lengths) + 1)
+        out, _ = native(torch.tensor(picks, device=dev)[:, None], cache, num_new=going, logits="last")  # [R, V]
+        logits = out
+        steps += 1
+
+
+def _prefill(native, cache, r: int, job: AnswerJob, logits: torch.Tensor, dev) -> None:
+    """Run job.prompt into cache row r (emptied first); its last-token logits land in logits[r]."""
+    cache.ensure(len(job.prompt) + job.budget + 1)  # before taking the row view: a view cannot grow
+    cache.set_length(r, 0)
+    row = cache.row(r)
+    out, _ = native(torch.tensor([job.prompt], device=dev), row, logits="last")  # [1, V]
+    cache.sync(row, r)
+    logits[r] = out[0]
