@@ -40,6 +40,13 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=32, help="0: dense (every supervised position)")
     ap.add_argument("--distill", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--tau-steps",
+        type=int,
+        default=0,
+        help="then train a fresh drafter (the shipped shape) this many packed steps in fp32 and in bf16 from the "
+        "same start, and print each one's validation tau on held-out conversations",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -108,6 +115,37 @@ def main() -> None:
     rate = [trainers[n].positions / wall[n] for n in names]
     print(f"{'positions/s':<14}" + "".join(f"{x:>22.0f}" for x in rate))
     print(f"{'speed-up':<14}" + "".join(f"{x / rate[0]:>21.2f}x" for x in rate))
+    if args.tau_steps:
+        compare_bf16_tau(target, args.data, args.tau_steps, args.batch_size, args.anchors, args.distill)
+
+
+def compare_bf16_tau(target, data: str, steps: int, batch_size: int, anchors: int, distill: float) -> None:
+    """Validation tau after `steps` packed steps in fp32 and in bf16, the same data, start and anchors."""
+    from dominospec.drafter.checkpoint import read_checkpoint
+    from dominospec.train.samples import fresh_drafter
+    from dominospec.train.validate import Validator, split_validation
+
+    train, val = split_validation(load_dataset_dir(data, target=target)[1], 0.05)
+    train = validate_samples(train[: steps * batch_size], target, 2048, data)
+    shape = read_checkpoint(shipped_drafter_dir("smollm2-135m"))[0]
+    arch = {k: getattr(shape, k) for k in ("head", "num_layers", "block_size", "confidence_head")}
+    validator = Validator(target, val[:16], 64)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "cache").mkdir()
+        for bf16 in (False, True):
+            d = fresh_drafter(target, train, arch, shape.draft_vocab_size, seed=0)
+            cfg = TrainConfig(max_steps=steps, batch_size=batch_size, anchors=anchors, distill=distill, bf16=bf16)
+            t = Trainer(target, d, train, Path(tmp) / str(bf16), cfg, feature_cache=Path(tmp) / "cache", progress=False)
+            t0 = time.thread_time()
+            for _ in range(steps):
+                rec = t.train_step()
+            secs = time.thread_time() - t0
+            r = validator.evaluate(d)
+            print(
+                f"{'bf16' if bf16 else 'fp32'}: {steps} steps in {secs:.0f} CPU s, "
+                f"last train tau {rec['tau_greedy']:.3f}, validation tau {r.tau:.3f} "
+                f"(p1 {r.conditional[0]:.3f}, {r.blocks} blocks)"
+            )
 
 
 if __name__ == "__main__":

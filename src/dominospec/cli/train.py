@@ -41,6 +41,7 @@ def cmd_train(args) -> int:
         save_every=args.save_every,
         val_every=args.val_every,
         val_anchors=args.val_anchors,
+        val_walk=args.val_walk,
         packed=args.packed,
         bf16=args.bf16,
     )
@@ -210,5 +211,11 @@ def add_parser(sub) -> None:
         type=int,
         default=default(TrainConfig, "val_anchors"),
         help="validation blocks per held-out sample, evenly spaced (0: all) (default %(default)s)",
+    )
+    p.add_argument(
+        "--val-walk",
+        action="store_true",
+        help="validate at the anchors a greedy decode of each held-out answer visits (each block starts right "
+        "after the previous one's first miss), as `bench` counts, instead of --val-anchors evenly spaced ones",
     )
     p.set_defaults(func=cmd_train)

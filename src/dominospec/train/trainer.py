@@ -88,6 +88,7 @@ class TrainConfig:
     log_every: int = 5
     val_every: int = 50  # validation interval in steps (with a validator)
     val_anchors: int = 64  # validation blocks per held-out sample (evenly spaced; 0: all)
+    val_walk: bool = False  # validate at the anchors a greedy decode visits (validate.walked_rows), as the bench
     packed: bool = True  # all the step's blocks in one drafter forward; False: today's per-sequence step
     bf16: bool = False  # bf16 autocast of the drafter's forward (packed only; for CPUs with native bf16)
 
