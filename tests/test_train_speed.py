@@ -82,3 +82,25 @@ def test_bf16_needs_the_packed_step():
 
     with pytest.raises(DominoError, match="bf16"):
         TrainConfig(bf16=True, packed=False)
+
+
+def test_checkpoint_from_before_the_packed_step_resumes_only_as_it_ran(qwen3_target, tmp_path):
+    """A checkpoint written before --packed/--bf16/--val-walk existed ran per-sequence, spread validation:
+    resuming it with the new defaults is refused naming the flag; with the old values it continues."""
+    from dominospec.errors import DominoError
+
+    samples = synthetic_samples(qwen3_target, n=4, answer_len=12)
+    old = TrainConfig(max_steps=3, batch_size=2, anchors=4, packed=False, val_walk=False)
+    t = Trainer(qwen3_target, tiny_drafter(qwen3_target).float(), samples, tmp_path, old, progress=False)
+    t.train_step()
+    t.save_checkpoint()
+    state = torch.load(tmp_path / "train_state" / "trainer.pt", weights_only=False)
+    for key in ("packed", "bf16", "val_walk"):
+        del state["train_config"][key]
+    torch.save(state, tmp_path / "train_state" / "trainer.pt")
+    new = TrainConfig(max_steps=3, batch_size=2, anchors=4)
+    fresh = Trainer(qwen3_target, tiny_drafter(qwen3_target).float(), samples, tmp_path, new, progress=False)
+    with pytest.raises(DominoError, match="--packed: True now, False in the checkpoint"):
+        fresh.load_checkpoint()
+    again = Trainer(qwen3_target, tiny_drafter(qwen3_target).float(), samples, tmp_path, old, progress=False)
+    assert again.load_checkpoint() and again.step == 1

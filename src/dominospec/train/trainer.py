@@ -88,12 +88,14 @@ class TrainConfig:
     log_every: int = 5
     val_every: int = 50  # validation interval in steps (with a validator)
     val_anchors: int = 64  # validation blocks per held-out sample (evenly spaced; 0: all)
-    val_walk: bool = False  # validate at the anchors a greedy decode visits (validate.walked_rows), as the bench
+    val_walk: bool = True  # validate at the anchors a greedy decode visits (validate.walked_rows); else val_anchors
     packed: bool = True  # all the step's blocks in one drafter forward; False: today's per-sequence step
     bf16: bool = False  # bf16 autocast of the drafter's forward (packed only; for CPUs with native bf16)
 
     # how often to checkpoint or log does not change the trained drafter; every other field does
     CHANGEABLE_ON_RESUME = ("save_every", "log_every")
+    # what a checkpoint written before a field existed ran with
+    BEFORE_FIELD = {"packed": False, "bf16": False, "val_walk": False}
 
     def __post_init__(self):
         """Every number checked once, the message naming its flag: a bad one fails before any work."""
@@ -621,10 +623,10 @@ class Trainer:
         if st["num_samples"] != len(self.samples):
             changed.append(f"--data: {len(self.samples)} samples now, {st['num_samples']} in the checkpoint")
         stored = st["train_config"]
-        defaults = asdict(TrainConfig())  # a checkpoint from before a field existed ran with its default
         for key, now in asdict(self.cfg).items():
-            if key not in TrainConfig.CHANGEABLE_ON_RESUME and stored.get(key, defaults[key]) != now:
-                changed.append(f"{flag(key)}: {now!r} now, {stored.get(key)!r} in the checkpoint")
+            was = stored.get(key, TrainConfig.BEFORE_FIELD.get(key))
+            if key not in TrainConfig.CHANGEABLE_ON_RESUME and was != now:
+                changed.append(f"{flag(key)}: {now!r} now, {was!r} in the checkpoint")
         mine = self.drafter.config.to_dict()
         for key, was in config.to_dict().items():
             if mine.get(key) != was:
