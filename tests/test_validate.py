@@ -337,3 +337,15 @@ def test_walked_anchors_are_the_anchors_of_live_greedy_decoding(qwen3_target):
         walked += [(int(cand[r]), int(accepted_lengths(hit[r : r + 1]))) for r in rows[:k]]
     assert walked == list(zip(live_anchors, live_accepted))
     assert max(live_accepted) >= 1  # control: drafts were accepted, so the walk skipped positions
+
+
+def test_walk_skips_by_accepted_drafts_and_restarts_at_the_next_answer():
+    from dominospec.train.validate import walked_rows
+
+    anchors = torch.tensor([2, 3, 4, 5, 10, 11, 12])  # two answers: 2..6 and 10..13
+    hit = torch.zeros(7, 3, dtype=torch.bool)
+    hit[0, :1] = True  # at 2: one draft accepted -> next anchor 4
+    hit[2, :2] = True  # at 4: two accepted -> 7, past the first answer -> 10
+    hit[4, :3] = True  # at 10: three accepted -> 14, past the end
+    assert walked_rows(anchors, hit) == [0, 2, 4]
+    assert walked_rows(anchors, torch.zeros(7, 3, dtype=torch.bool)) == list(range(7))  # control: no skips

@@ -18,6 +18,7 @@ samples < 1 (the default 0.05 starts validating at 20 samples).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass
 
@@ -92,17 +93,22 @@ def walked_rows(anchors: torch.Tensor, hit: torch.Tensor) -> list[int]:
     """The blocks a greedy decode visits on this text: rows of `anchors` [N] (every candidate, sorted).
 
     The first cycle anchors at the first candidate; a cycle accepting L drafts commits them plus the
-    target's own token, so the next anchors L + 1 further on. Decoding does not choose where to
-    start a block: it starts right after a rejection, at the positions the drafter found hard, which
+    target's own token, so the next anchors L + 1 further on; past the end of one answer the walk
+    starts again at the next answer's first candidate (a later turn). Decoding does not choose where
+    to start a block: it starts right after a miss, at the positions the drafter found hard, which
     evenly spaced anchors pass over as often as the easy ones.
     """
-    row_of = {int(a): r for r, a in enumerate(anchors.tolist())}
+    cands = anchors.tolist()
+    row_of = {a: r for r, a in enumerate(cands)}
     lengths = accepted_lengths(hit).tolist()
-    rows, a = [], int(anchors[0]) if anchors.numel() else None
-    while a in row_of:
-        r = row_of[a]
-        rows.append(r)
-        a += lengths[r] + 1
+    rows, a = [], cands[0] if cands else None
+    while a is not None:
+        if a not in row_of:  # past this answer: the next one, if any
+            j = bisect.bisect_left(cands, a)
+            a = cands[j] if j < len(cands) else None
+            continue
+        rows.append(row_of[a])
+        a += lengths[row_of[a]] + 1
     return rows
 
 
