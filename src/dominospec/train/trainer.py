@@ -196,7 +196,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(
             self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused or None
         )
-        self.timing: dict[str, float] | None = None  # a dict: CPU seconds per part of the step (train_profile.py)
+        self.timing: dict[str, float] | None = None  # CPU seconds per part of a step (scripts/train_profile.py)
         self._in_memory: dict[int, tuple] = {}  # the packed step's fp16 features, read or computed once
         self._memory_left = int(memory_gb * 2**30)
         self._lse: dict[int, torch.Tensor] = {}  # per sample: the target's log-normaliser at every position
