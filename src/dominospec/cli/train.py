@@ -167,7 +167,7 @@ def add_parser(sub) -> None:
         default=default(TrainConfig, "packed"),
         help="all blocks of a step in a few large drafter forwards, features kept in memory (fp16), the "
         "target's log-normaliser computed once per sample; --no-packed: the older per-sequence step, "
-        "same loss and gradients, ~2x slower (docs/training.md) (default %(default)s)",
+        "same loss and gradients, 1.7-2.3x slower (docs/training.md) (default %(default)s)",
     )
     p.add_argument(
         "--bf16",
