@@ -31,23 +31,32 @@ def test_distill_weight_is_checked():
         TrainConfig(distill=1.5)
 
 
-def test_dense_anchors_take_every_supervised_position(tmp_path, qwen3_target):
+@pytest.mark.parametrize("packed", [True, False])
+def test_dense_anchors_take_every_supervised_position(packed, tmp_path, qwen3_target):
     mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1])
     assert sample_anchors(mask, 0, random.Random(0)).tolist() == anchor_candidates(mask).tolist() == [2, 3, 6, 7, 8]
     assert sample_anchors(mask, 2, random.Random(0)).numel() == 2
     samples = synthetic_samples(qwen3_target, n=4, answer_len=16)
     d = tiny_drafter(qwen3_target, block_size=4, randomize_head=False).float()
-    trainer = Trainer(
-        qwen3_target, d, samples, tmp_path, TrainConfig(max_steps=1, batch_size=4, anchors=0), progress=False
-    )
+    cfg = TrainConfig(max_steps=1, batch_size=4, anchors=0, packed=packed)
+    trainer = Trainer(qwen3_target, d, samples, tmp_path, cfg, progress=False)
     seen = []
-    real = trainer.sequence_terms
+    if packed:
+        real_packed = trainer._packed_terms
 
-    def counting(i, f, fin, anchors, lam):
-        seen.append(anchors.numel())
-        return real(i, f, fin, anchors, lam)
+        def counting_packed(batch, den, lam):
+            seen.extend(piece[0].numel() for _, piece in batch)
+            return real_packed(batch, den, lam)
 
-    trainer.sequence_terms = counting
+        trainer._packed_terms = counting_packed
+    else:
+        real = trainer.sequence_terms
+
+        def counting(i, f, fin, anchors, lam):
+            seen.append(anchors.numel())
+            return real(i, f, fin, anchors, lam)
+
+        trainer.sequence_terms = counting
     trainer.train_step()
     assert seen == [15] * 4  # 16 supervised tokens: 15 positions whose next token is supervised too
 

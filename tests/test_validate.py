@@ -303,3 +303,49 @@ def test_cli_train_validates_exports_the_best_and_writes_acceptance(tmp_path, ca
     # too little data for the default fraction: no validation, the last step is exported, as before
     assert main(common + ["--out", str(tmp_path / "none")]) == 0
     assert "validation: none" in capsys.readouterr().err and not (tmp_path / "none" / "acceptance.json").exists()
+
+
+# ----- validation that walks the text as decoding does -----
+
+
+def test_walked_anchors_are_the_anchors_of_live_greedy_decoding(qwen3_target):
+    """On the target's own greedy answer, the walk visits exactly the anchors generate_speculative
+    used, and counts the same accepted drafts; it is what `bench` measures, cycle by cycle."""
+    from dominospec import generate_speculative
+    from dominospec.train.validate import accepted_lengths, walked_rows
+
+    target = qwen3_target
+    d = tiny_drafter(target, head="none", block_size=4)
+    with torch.no_grad():  # a drafter that copies the target's own head, so whole runs of drafts pass
+        d.layers[0].o_proj.weight.zero_()
+    live_anchors, live_accepted, walked = [], [], []
+    for prompt in ([1, 2, 3], [5, 9, 11, 2, 7]):
+        res = generate_speculative(target, d, prompt, 40, eos_ids=[])
+        seq = prompt + res.tokens
+        mask = torch.tensor([0] * len(prompt) + [1] * len(res.tokens))
+        feats = target.sequence_features([seq], d.config.target_layer_ids)[0][0]
+        cand = anchor_candidates(mask)
+        with torch.no_grad():
+            hit, _ = greedy_hits(d, teacher_forced_blocks(d, feats, torch.tensor(seq), mask, cand))
+        rows = walked_rows(cand, hit)
+        sample = {"id": "w", "input_ids": seq, "loss_mask": mask.tolist()}
+        assert Validator(target, [sample], walk=True).evaluate(d).judged[0] == len(rows)  # the validator's walk
+        anchors = [len(prompt) + sum(res.committed[:i]) for i in range(res.cycles)]
+        k = len(rows) - 1  # the walk's last block and the run's last cycles may be cut by the text's end
+        live_anchors += anchors[:k]
+        live_accepted += res.accepted[:k]
+        walked += [(int(cand[r]), int(accepted_lengths(hit[r : r + 1]))) for r in rows[:k]]
+    assert walked == list(zip(live_anchors, live_accepted))
+    assert max(live_accepted) >= 1  # control: drafts were accepted, so the walk skipped positions
+
+
+def test_walk_skips_by_accepted_drafts_and_restarts_at_the_next_answer():
+    from dominospec.train.validate import walked_rows
+
+    anchors = torch.tensor([2, 3, 4, 5, 10, 11, 12])  # two answers: 2..6 and 10..13
+    hit = torch.zeros(7, 3, dtype=torch.bool)
+    hit[0, :1] = True  # at 2: one draft accepted -> next anchor 4
+    hit[2, :2] = True  # at 4: two accepted -> 7, past the first answer -> 10
+    hit[4, :3] = True  # at 10: three accepted -> 14, past the end
+    assert walked_rows(anchors, hit) == [0, 2, 4]
+    assert walked_rows(anchors, torch.zeros(7, 3, dtype=torch.bool)) == list(range(7))  # control: no skips

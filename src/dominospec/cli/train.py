@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from ..data.dataset import check_data_dir
@@ -39,6 +41,9 @@ def cmd_train(args) -> int:
         save_every=args.save_every,
         val_every=args.val_every,
         val_anchors=args.val_anchors,
+        val_walk=args.val_walk,
+        packed=args.packed,
+        bf16=args.bf16,
     )
     check_arch_args(args)
     if args.init and args.serve_with:  # --serve-with cannot change a drafter that already exists
@@ -112,7 +117,8 @@ def add_parser(sub) -> None:
         "--anchors",
         type=int,
         default=default(TrainConfig, "anchors"),
-        help="blocks per sequence, drawn anew each step; 0: every supervised position (default %(default)s)",
+        help="blocks per sequence, drawn anew each epoch (each step with --no-packed), deterministic per "
+        "(--seed, epoch); 0: dense, every supervised position (default %(default)s)",
     )
     p.add_argument(
         "--distill",
@@ -155,6 +161,20 @@ def add_parser(sub) -> None:
         default=default(TrainConfig, "max_seq_len"),
         help="samples are cut to this many tokens (or the target's context, if shorter) (default %(default)s)",
     )
+    p.add_argument(
+        "--packed",
+        action=argparse.BooleanOptionalAction,
+        default=default(TrainConfig, "packed"),
+        help="all blocks of a step in a few large drafter forwards, features kept in memory (fp16), the "
+        "target's log-normaliser computed once per sample; --no-packed: the older per-sequence step, "
+        "same loss and gradients, 1.7-2.3x slower (docs/training.md) (default %(default)s)",
+    )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 autocast of the drafter's forward and backward (packed only; about 1.5x faster on CPUs "
+        "with native bf16 such as AVX512-BF16 / AMX; see docs/training.md for its effect on tau)",
+    )
     p.add_argument("--seed", type=int, default=default(TrainConfig, "seed"))
     p.add_argument(
         "--save-every",
@@ -190,6 +210,14 @@ def add_parser(sub) -> None:
         "--val-anchors",
         type=int,
         default=default(TrainConfig, "val_anchors"),
-        help="validation blocks per held-out sample, evenly spaced (0: all) (default %(default)s)",
+        help="with --no-val-walk: validation blocks per held-out sample, evenly spaced (0: all) (default %(default)s)",
+    )
+    p.add_argument(
+        "--val-walk",
+        action=argparse.BooleanOptionalAction,
+        default=default(TrainConfig, "val_walk"),
+        help="validate at the anchors a greedy decode of each held-out answer visits (each block starts right "
+        "after the previous one's first miss), as `bench` counts; --no-val-walk: --val-anchors evenly spaced "
+        "anchors, which overstate live tau by 3-7%% (docs/training.md) (default %(default)s)",
     )
     p.set_defaults(func=cmd_train)

@@ -69,12 +69,22 @@ class DraftLayer(nn.Module):
         v = self._heads(self.v_proj(x), self.c.num_key_value_heads)
         return apply_rope(k, cos, sin), v
 
+    def _qkv(self, x, cos, sin):
+        h = self.input_norm(x)
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.c.num_attention_heads)), cos, sin)
+        k, v = self.kv(h, cos, sin)
+        return q, k, v
+
+    def _out(self, x, attn):
+        # attn: [N, heads, Bq, D] -> the residual stream after attention and the MLP
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
         # x: [N, Bq, H] block rows; ctx_k/ctx_v: [N or 1, kv, C, D]; mask: bool [N or 1, 1, Bq, C+Bq]
         c = self.c
-        h = self.input_norm(x)
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), c.num_attention_heads)), cos, sin)
-        k, v = self.kv(h, cos, sin)
+        q, k, v = self._qkv(x, cos, sin)
         if ctx_k is not None and ctx_k.shape[2] > 0:
             n = x.shape[0]
             k = torch.cat([ctx_k.expand(n, -1, -1, -1), k], dim=2)
@@ -84,9 +94,35 @@ class DraftLayer(nn.Module):
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
-        h = self.post_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return self._out(x, attn)
+
+    def forward_packed(self, x, cos, sin, contexts, counts: list[int]):
+        """Training: blocks of several sequences at once, each block seeing only its own context.
+
+        x: [N, B, H] the blocks of all sequences, in sequence order, counts[r] of them for sequence r;
+        contexts[r]: (k [kv, C_r, D], v [kv, C_r, D], visible bool [counts[r], C_r]) of sequence r.
+        The same result as `forward` block by block, without copying the context per block or
+        scoring the blocks against each other (a joint softmax over context and own keys).
+        """
+        q, k, v = self._qkv(x, cos, sin)  # q [N, heads, B, D]; k, v [N, kv, B, D]
+        n, heads, b, d = q.shape
+        kv = k.shape[1]
+        q = q.view(n, kv, heads // kv, b, d) * d**-0.5  # GQA: the query heads grouped by their key head
+        own = torch.einsum("nkgbd,nkcd->nkgbc", q, k)  # [N, kv, g, B, B]
+        outs, start = [], 0
+        for (ck, cv, visible), count in zip(contexts, counts):
+            sl = slice(start, start + count)
+            scores = torch.einsum("nkgbd,ksd->nkgbs", q[sl], ck)  # [n_r, kv, g, B, C_r]
+            scores = scores.masked_fill(~visible[:, None, None, None, :], float("-inf"))
+            p = torch.softmax(torch.cat([scores, own[sl]], dim=-1), dim=-1)
+            c_r = ck.shape[1]
+            o = torch.einsum("nkgbs,ksd->nkgbd", p[..., :c_r], cv) + torch.einsum(
+                "nkgbc,nkcd->nkgbd", p[..., c_r:], v[sl]
+            )
+            outs.append(o)
+            start += count
+        attn = torch.cat(outs).reshape(n, heads, b, d)
+        return self._out(x, attn)
 
 
 def block_attention_mask(anchor_pos: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:

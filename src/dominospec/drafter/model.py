@@ -239,6 +239,42 @@ class Drafter(nn.Module):
             x = layer(x, cos, sin, ck, cv, mask=mask)
         return self.norm(x).view(n, c.block_size, -1)
 
+    def forward_packed(
+        self,
+        features: torch.Tensor,
+        lengths: list[int],
+        anchor_pos: torch.Tensor,
+        anchors: torch.Tensor,
+        counts: list[int],
+    ) -> torch.Tensor:
+        """z [N, B, H] for the blocks of several sequences in one forward (training's fast path).
+
+        features: [sum(lengths), n*H] the sequences' target features one after another; anchor_pos,
+        anchors: [N] each block's position in its own sequence and token there, the blocks in
+        sequence order, counts[r] of them for sequence r. Equals `forward_blocks` per sequence (tested).
+        """
+        c = self.config
+        dev = features.device
+        ctx = self.context(features.unsqueeze(0))  # [1, S_total, H]
+        ctx_pos = torch.cat([torch.arange(n, device=dev) for n in lengths]).unsqueeze(0)
+        cos_c, sin_c = rope_tables(ctx_pos, c.head_dim, c.rope_theta, ctx.dtype)
+        x = self.block_inputs(anchors)  # [N, B, H]
+        pos = anchor_pos.unsqueeze(1) + torch.arange(c.block_size, device=dev)  # [N, B]
+        cos, sin = rope_tables(pos, c.head_dim, c.rope_theta, x.dtype)
+        # block n sees its own sequence's rows before its anchor
+        visible, start = [], 0
+        for n, count in zip(lengths, counts):
+            a = anchor_pos[start : start + count]
+            visible.append(torch.arange(n, device=dev).unsqueeze(0) < a.unsqueeze(1))  # [count, n]
+            start += count
+        for layer in self.layers:
+            ck, cv = layer.kv(ctx, cos_c, sin_c)  # [1, kv, S_total, D]
+            contexts = [
+                (k[0], v[0], vis) for k, v, vis in zip(ck.split(lengths, dim=2), cv.split(lengths, dim=2), visible)
+            ]
+            x = layer.forward_packed(x, cos, sin, contexts, counts)
+        return self.norm(x)
+
     def num_trainable_parameters(self) -> int:
         """Parameters the optimiser updates (the borrowed embedding and LM head are not among them)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

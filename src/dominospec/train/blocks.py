@@ -80,6 +80,30 @@ def teacher_forced_blocks(
     return TeacherForced(tokens, labels, z, prev_emb, base, base if delta is None else base + delta)
 
 
+def teacher_forced_packed(drafter, features: list[torch.Tensor], blocks: list[tuple]) -> TeacherForced:
+    """`teacher_forced_blocks` for several sequences in one drafter forward (training's fast path).
+
+    features: per sequence [S_r, n*H]; blocks: per sequence (anchors [N_r], tokens [N_r, B], labels
+    [N_r, B]) from `make_blocks`. The result's rows are the blocks of all sequences in order.
+    """
+    lengths = [f.shape[0] for f in features]
+    counts = [a.shape[0] for a, _, _ in blocks]
+    anchors = torch.cat([a for a, _, _ in blocks])
+    tokens = torch.cat([t for _, t, _ in blocks])
+    labels = torch.cat([lab for _, _, lab in blocks])
+    z = drafter.forward_packed(torch.cat(features), lengths, anchors, tokens[:, 0], counts)
+    base = drafter.base_logits(z)
+    prev_emb = drafter.embed(tokens).to(z.dtype)
+    delta = drafter.head.teacher_forced(z, prev_emb, tokens)
+    return TeacherForced(tokens, labels, z, prev_emb, base, base if delta is None else base + delta)
+
+
+def dense_or_sampled_anchors(loss_mask: torch.Tensor, n: int, seed: int, epoch: int, key) -> torch.Tensor:
+    """A sample's anchors for one epoch: every candidate when n is 0 (dense), else n of them drawn
+    anew each epoch; a pure function of (seed, epoch, key), so resumed and multi-process runs agree."""
+    return sample_anchors(loss_mask, n, random.Random(f"{seed}-epoch{epoch}-{key}"))
+
+
 def simulated_tau(
     final_logits: torch.Tensor, labels: torch.Tensor, target_probs: torch.Tensor | None = None
 ) -> tuple[float, float | None]:

@@ -97,7 +97,7 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
             )
     if meta.get("enable_thinking") is not None:  # generate says so when used in the other mode
         drafter.config.extra["enable_thinking"] = meta["enable_thinking"]
-    validator = Validator(target, val_samples, cfg.val_anchors) if val_samples else None
+    validator = Validator(target, val_samples, cfg.val_anchors, walk=cfg.val_walk) if val_samples else None
     trainer = Trainer(
         target,
         drafter,

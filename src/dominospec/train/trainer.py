@@ -26,6 +26,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +38,16 @@ from ..drafter.checkpoint import ACCEPTANCE_NAME, CONFIG_NAME, check_state, read
 from ..errors import DominoError, flag
 from ..io import atomic_path, ensure_writable_dir, exclusive_lock, write_json_atomic, write_lines_atomic
 from ..log import log_once
-from .blocks import IGNORE, make_blocks, position_weights, sample_anchors, simulated_tau, teacher_forced_blocks
+from .blocks import (
+    IGNORE,
+    dense_or_sampled_anchors,
+    make_blocks,
+    position_weights,
+    sample_anchors,
+    simulated_tau,
+    teacher_forced_blocks,
+    teacher_forced_packed,
+)
 from .distributed import Dist
 from .plots import plot_metrics
 from .validate import BestSoFar, Validator
@@ -78,9 +88,14 @@ class TrainConfig:
     log_every: int = 5
     val_every: int = 50  # validation interval in steps (with a validator)
     val_anchors: int = 64  # validation blocks per held-out sample (evenly spaced; 0: all)
+    val_walk: bool = True  # validate at the anchors a greedy decode visits (validate.walked_rows); else val_anchors
+    packed: bool = True  # all the step's blocks in one drafter forward; False: today's per-sequence step
+    bf16: bool = False  # bf16 autocast of the drafter's forward (packed only; for CPUs with native bf16)
 
     # how often to checkpoint or log does not change the trained drafter; every other field does
     CHANGEABLE_ON_RESUME = ("save_every", "log_every")
+    # what a checkpoint written before a field existed ran with
+    BEFORE_FIELD = {"packed": False, "bf16": False, "val_walk": False}
 
     def __post_init__(self):
         """Every number checked once, the message naming its flag: a bad one fails before any work."""
@@ -106,6 +121,7 @@ class TrainConfig:
             ("log_every", isinstance(self.log_every, int) and self.log_every >= 1, "an integer >= 1"),
             ("val_every", isinstance(self.val_every, int) and self.val_every >= 1, "an integer >= 1"),
             ("val_anchors", isinstance(self.val_anchors, int) and self.val_anchors >= 0, "an integer >= 0 (0: all)"),
+            ("bf16", not self.bf16 or self.packed, "off with the per-sequence step (--no-packed)"),
         ]
         for name, ok, want in rules:
             if not ok:
@@ -118,6 +134,29 @@ class TrainConfig:
     def curriculum_lambda(self, step: int, total: int) -> float:
         span = max(1.0, self.lambda_decay * total)
         return self.lambda_start * max(0.0, 1.0 - step / span)
+
+
+def keep_large_blocks_on_the_heap() -> bool:
+    """Tell glibc's malloc to serve every block from the heap and keep freed memory (Linux only).
+
+    By default a block over 32 MB (a step's [N*B, 8192] logits) is mmap-ed fresh and returned on
+    free, so each use pays a page fault per 4 KB: measured 5x on the loss ops of a packed step.
+    Process-wide and harmless (memory stays reserved for the next step); False where not glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**30))
+    except (OSError, AttributeError):
+        return False
+
+
+PACKED_BLOCKS = 128  # blocks per packed forward: large ops, yet the [N*B, V'] logits stay near the caches
 
 
 class Trainer:
@@ -133,6 +172,7 @@ class Trainer:
         progress: bool = True,
         save_dtype: torch.dtype | None = None,
         validator: Validator | None = None,
+        memory_gb: float = 4.0,
     ):
         self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out), cfg
         self.dist = dist or Dist()
@@ -149,7 +189,18 @@ class Trainer:
         drafter.float().train()
         drafter.to(self.device)
         self.params = [p for p in drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        if cfg.packed and self.device.type == "cpu":
+            keep_large_blocks_on_the_heap()
+        # fused: one kernel for all parameters instead of a dozen ops per tensor (same update)
+        fused = cfg.packed and self.device.type in ("cpu", "cuda")
+        self.opt = torch.optim.AdamW(
+            self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=fused or None
+        )
+        self.timing: dict[str, float] | None = None  # CPU seconds per part of a step (scripts/train_profile.py)
+        self._in_memory: dict[int, tuple] = {}  # the packed step's fp16 features, read or computed once
+        self._memory_left = int(memory_gb * 2**30)
+        self._lse: dict[int, torch.Tensor] = {}  # per sample: the target's log-normaliser at every position
+        self.positions = 0  # supervised block slots trained by this process so far (the throughput unit)
         warm = max(1, int(cfg.warmup * self.total))
 
         def schedule(step):
@@ -233,35 +284,75 @@ class Trainer:
         with atomic_path(self._cache_path(i)) as tmp:  # runs may share one cache: pid-named temporaries
             save_file(tensors, str(tmp))
 
-    # ----- one sequence's loss -----
-    def sequence_terms(self, i: int, feats: torch.Tensor, final_hidden, anchors: torch.Tensor, lam: float):
-        """Weighted loss numerators for one sequence's blocks, and its stats. feats: [S, n*H]."""
-        sample = self.samples[i]
-        ids = torch.tensor(sample["input_ids"], device=self.device)
-        mask = torch.tensor(sample["loss_mask"], device=self.device)
-        anchors = anchors.to(self.device)
+    @contextmanager
+    def _part(self, name: str):
+        """Adds the CPU time of the block to self.timing[name] when profiling (one torch thread: thread time)."""
+        self._part_start(name)
+        yield
+        self._part_stop(name)
+
+    def _part_start(self, name: str) -> None:
+        if self.timing is not None:
+            self.timing[name] = self.timing.get(name, 0.0) - time.thread_time()
+
+    def _part_stop(self, name: str) -> None:
+        if self.timing is not None:
+            self.timing[name] += time.thread_time()
+
+    def features_in_memory(self, idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """`features`, kept in memory as fp16 (the cache's precision) up to the memory budget: after the
+        first epoch a step reads no file and runs no target pass."""
+        got = {i: self._in_memory[i] for i in idx if i in self._in_memory}
+        missing = [i for i in idx if i not in got]
+        for i, (f, fin) in zip(missing, self.features(missing) if missing else []):
+            item = got[i] = (f.to(torch.float16), None if fin is None else fin.to(torch.float16))
+            size = sum(t.numel() * 2 for t in item if t is not None)
+            if size <= self._memory_left:  # past the budget a sample is read (or computed) every epoch
+                self._memory_left -= size
+                self._in_memory[i] = item
+        dt = self.drafter.dtype
+        return [(f.to(dt), None if fin is None else fin.to(dt)) for f, fin in (got[i] for i in idx)]
+
+    def _target_probs_packed(self, idx, finals, blocks) -> torch.Tensor:
+        """[N, B, V'] the target's distribution at every block slot, on the draft vocabulary (mass
+        outside it left out): draft-vocabulary logits minus the full log-normaliser, which is
+        computed once per sample (the full LM head over 49k rows is the dearest op of a step), each
+        at the distinct positions only (blocks overlap: dense anchors read every position B times)."""
         d = self.drafter
-        tf = teacher_forced_blocks(d, feats, ids, mask, anchors)
-        z, prev_emb, base, final, labels = tf.z, tf.prev_emb, tf.base, tf.final, tf.labels
-        if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
-            sub = d.to_draft_ids(labels.clamp_min(0))
-            labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
-        valid = labels != IGNORE
-        w = self.weights.unsqueeze(0) * valid.float()  # [N, B]
+        rows, lse, where, offset = [], [], [], 0
+        for i, fin, (a, _, _) in zip(idx, finals, blocks):
+            if i not in self._lse:
+                with torch.no_grad():
+                    self._lse[i] = torch.logsumexp(self.target.lm_head(fin.to(self.target.dtype)).float(), -1)  # [S]
+            pos = (a.unsqueeze(1) + torch.arange(self.block, device=a.device)).clamp(max=fin.shape[0] - 1)
+            distinct, inverse = torch.unique(pos, return_inverse=True)
+            rows.append(fin[distinct])  # [U_r, H]
+            lse.append(self._lse[i][distinct])
+            where.append(inverse + offset)  # [N_r, B] -> row of the distinct positions
+            offset += distinct.shape[0]
+        h, lse, where = torch.cat(rows), torch.cat(lse), torch.cat(where)
+        with torch.no_grad():
+            if d.config.draft_vocab_size:
+                head = self.target.output_embeddings()
+                bias = getattr(head, "bias", None)
+                logits = F.linear(
+                    h.to(head.weight.dtype), head.weight[d.draft_vocab], None if bias is None else bias[d.draft_vocab]
+                )
+            else:
+                logits = self.target.lm_head(h.to(self.target.dtype))
+            return torch.exp(logits.float() - lse.unsqueeze(-1))[where]  # [N, B, V']
+
+    def _loss(self, tf, p_t, lam: float, w: torch.Tensor, labels: torch.Tensor):
+        """The head's loss (+ distillation, + confidence) of teacher-forced blocks; (loss, terms)."""
+        d = self.drafter
+        z, prev_emb, base, final = tf.z, tf.prev_emb, tf.base, tf.final
 
         def ce(logits):
             per = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
+                logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE, reduction="none"
             ).view_as(labels)
             return (per * w).sum()
 
-        p_t = None
-        if self.needs_target_probs:  # the target's distribution at each slot, from its final hidden state
-            pos = (anchors.unsqueeze(1) + torch.arange(self.block, device=self.device)).clamp(max=ids.shape[0] - 1)
-            with torch.no_grad():
-                p_t = torch.softmax(self.target.lm_head(final_hidden[pos]).to(z.dtype), -1)
-                if d.config.draft_vocab_size:
-                    p_t = p_t[..., d.draft_vocab]  # mass outside the draft vocabulary adds 1 - sum
         loss, terms = self.head.loss(base, final, ce, p_t, w, lam)
         if self.cfg.distill > 0:  # soft labels: KL(target || draft) on the draft vocabulary, renormalised there
             q = p_t / p_t.sum(-1, keepdim=True).clamp_min(1e-12)
@@ -274,7 +365,109 @@ class Trainer:
                 z, prev_emb, final, labels, p_t if self.head.needs_target_probs else None, w
             )
             loss = loss + terms["bce"]
-        with torch.no_grad():
+        return loss, terms
+
+    def train_step_packed(self) -> dict:
+        """One step with the step's blocks in a few large drafter forwards (micro-batches of at most
+        PACKED_BLOCKS blocks, a sequence's blocks split where they exceed it), one backward each."""
+        cfg = self.cfg
+        idx = self.batch_indices(self.step)
+        epoch = self.step // self.steps_per_epoch
+        lam = cfg.curriculum_lambda(self.step, self.total) if self.head.uses_curriculum else 0.0
+        with self._part("data"):
+            pieces = []  # (sample index, (anchors [n], tokens [n, B], labels [n, B])), n <= PACKED_BLOCKS
+            for i in idx:
+                s = self.samples[i]
+                mask = torch.tensor(s["loss_mask"])
+                a = dense_or_sampled_anchors(mask, cfg.anchors, cfg.seed, epoch, i)
+                if a.numel():
+                    tokens, labels = make_blocks(torch.tensor(s["input_ids"]), mask, a, self.block)
+                    parts = (t.to(self.device).split(PACKED_BLOCKS) for t in (a, tokens, labels))
+                    pieces += [(i, piece) for piece in zip(*parts)]
+            batches, size = [], PACKED_BLOCKS
+            for piece in pieces:  # consecutive pieces fill micro-batches of up to PACKED_BLOCKS blocks
+                n = piece[1][0].shape[0]
+                if size + n > PACKED_BLOCKS:
+                    batches.append([])
+                    size = 0
+                batches[-1].append(piece)
+                size += n
+            valid = sum(int((lab != IGNORE).sum()) for _, (_, _, lab) in pieces)
+            self.positions += valid
+            den = sum(((self.weights * (lab != IGNORE).float()).sum() for _, (_, _, lab) in pieces), torch.zeros(()))
+            den = self.dist.all_sum(den.to(self.device)).clamp_min(1e-8)
+        self.opt.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        g = s_sampled = 0.0
+        for batch in batches:
+            terms, stats = self._packed_terms(batch, den, lam)
+            for k, v in terms.items():
+                sums[k] = sums.get(k, 0.0) + v
+            g += stats[0]
+            s_sampled += stats[1]
+        n_blocks = sum(piece[0].shape[0] for _, piece in pieces)
+        tokens = sum(len(self.samples[i]["input_ids"]) for i in dict.fromkeys(i for i, _ in pieces))
+        with self._part("optimizer"):
+            self.dist.all_sum_grads(self.params)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip))
+        keys = sorted(sums)
+        vec = torch.tensor(
+            [sums[k] for k in keys] + [g, s_sampled, n_blocks, tokens], dtype=torch.float64, device=self.device
+        )
+        return self._finish_step(keys, vec, den, gnorm, lam)
+
+    def _packed_terms(self, batch: list, den: torch.Tensor, lam: float) -> tuple[dict, tuple[float, float]]:
+        """Forward and backward of one micro-batch; its loss terms and (greedy, sampled) tau x blocks."""
+        d = self.drafter
+        idx = [i for i, _ in batch]
+        blocks = [piece for _, piece in batch]
+        with self._part("features"):
+            feats = self.features_in_memory(idx)
+        with self._part("target_probs"):
+            p_t = self._target_probs_packed(idx, [fin for _, fin in feats], blocks) if self.needs_target_probs else None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16 and self.device.type == "cpu"):
+            with self._part("forward"):
+                tf = teacher_forced_packed(d, [f for f, _ in feats], blocks)
+                labels = tf.labels
+                if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
+                    sub = d.to_draft_ids(labels.clamp_min(0))
+                    labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
+                w = self.weights.unsqueeze(0) * (labels != IGNORE).float()
+            with self._part("loss"):
+                loss, terms = self._loss(tf, p_t, lam, w, labels)
+        with self._part("backward"):
+            (loss / den).backward()
+        with self._part("metrics"), torch.no_grad():
+            g, s = simulated_tau(tf.final.detach().float(), labels, p_t)
+            n = labels.shape[0]
+            return {k: float(v.detach()) for k, v in terms.items()}, (g * n, (s or 0.0) * n)
+
+    # ----- one sequence's loss (the per-sequence step, --no-packed) -----
+    def sequence_terms(self, i: int, feats: torch.Tensor, final_hidden, anchors: torch.Tensor, lam: float):
+        """Weighted loss numerators for one sequence's blocks, and its stats. feats: [S, n*H]."""
+        sample = self.samples[i]
+        ids = torch.tensor(sample["input_ids"], device=self.device)
+        mask = torch.tensor(sample["loss_mask"], device=self.device)
+        anchors = anchors.to(self.device)
+        d = self.drafter
+        with self._part("forward"):
+            tf = teacher_forced_blocks(d, feats, ids, mask, anchors)
+        z, final, labels = tf.z, tf.final, tf.labels
+        if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
+            sub = d.to_draft_ids(labels.clamp_min(0))
+            labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
+        valid = labels != IGNORE
+        w = self.weights.unsqueeze(0) * valid.float()  # [N, B]
+        p_t = None
+        if self.needs_target_probs:  # the target's distribution at each slot, from its final hidden state
+            pos = (anchors.unsqueeze(1) + torch.arange(self.block, device=self.device)).clamp(max=ids.shape[0] - 1)
+            with torch.no_grad(), self._part("target_probs"):
+                p_t = torch.softmax(self.target.lm_head(final_hidden[pos]).to(z.dtype), -1)
+                if d.config.draft_vocab_size:
+                    p_t = p_t[..., d.draft_vocab]  # mass outside the draft vocabulary adds 1 - sum
+        with self._part("loss"):
+            loss, terms = self._loss(tf, p_t, lam, w, labels)
+        with torch.no_grad(), self._part("metrics"):
             g, s = simulated_tau(final.detach(), labels, p_t)
         return (
             loss,
@@ -283,12 +476,15 @@ class Trainer:
         )
 
     def train_step(self) -> dict:
+        if self.cfg.packed:
+            return self.train_step_packed()
         cfg = self.cfg
         idx = self.batch_indices(self.step)
         lam = self.cfg.curriculum_lambda(self.step, self.total) if self.head.uses_curriculum else 0.0
         # the normaliser first, summed over ranks, so every rank divides by the same number
         den = torch.zeros((), device=self.device)
         anchors = {}
+        self._part_start("data")
         for i in idx:
             mask = torch.tensor(self.samples[i]["loss_mask"])
             # anchors depend on (seed, step, sample) only: resumed and multi-process runs agree
@@ -297,22 +493,27 @@ class Trainer:
             if a.numel():
                 ids = torch.tensor(self.samples[i]["input_ids"])
                 _, labels = make_blocks(ids, mask, a, self.block)
+                self.positions += int((labels != IGNORE).sum())
                 den += (self.weights.cpu() * (labels != IGNORE).float()).sum().to(self.device)
         den = self.dist.all_sum(den).clamp_min(1e-8)
+        self._part_stop("data")
         self.opt.zero_grad(set_to_none=True)
-        feats = self.features(idx)
+        with self._part("features"):
+            feats = self.features(idx)
         sums: dict[str, float] = {}
         stats = []
         for i, (f, fin) in zip(idx, feats):
             if anchors[i].numel() == 0:
                 continue
             loss, terms, st = self.sequence_terms(i, f, fin, anchors[i], lam)
-            (loss / den).backward()
+            with self._part("backward"):
+                (loss / den).backward()
             for k, v in terms.items():
                 sums[k] = sums.get(k, 0.0) + float(v.detach())
             stats.append(st)
-        self.dist.all_sum_grads(self.params)
-        gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip))
+        with self._part("optimizer"):
+            self.dist.all_sum_grads(self.params)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip))
         # metrics, reduced over ranks (before the update, so every rank sees a bad loss and stops alike)
         keys = sorted(sums)
         vec = torch.tensor(
@@ -326,10 +527,16 @@ class Trainer:
             dtype=torch.float64,
             device=self.device,
         )
+        return self._finish_step(keys, vec, den, gnorm, lam)
+
+    def _finish_step(self, keys, vec, den, gnorm: float, lam: float) -> dict:
+        """Metrics reduced over ranks (before the update, so every rank sees a bad loss and stops alike),
+        then the update; the step's metrics record."""
         vec = self.dist.all_sum(vec)
         if not (math.isfinite(gnorm) and bool(torch.isfinite(vec).all())):
             self._stop_diverged({k: float(vec[j]) for j, k in enumerate(keys)}, gnorm)
-        self.opt.step()
+        with self._part("optimizer"):
+            self.opt.step()
         self.sched.step()
         self.step += 1
         dn = float(den)
@@ -417,8 +624,9 @@ class Trainer:
             changed.append(f"--data: {len(self.samples)} samples now, {st['num_samples']} in the checkpoint")
         stored = st["train_config"]
         for key, now in asdict(self.cfg).items():
-            if key not in TrainConfig.CHANGEABLE_ON_RESUME and stored.get(key) != now:
-                changed.append(f"{flag(key)}: {now!r} now, {stored.get(key)!r} in the checkpoint")
+            was = stored.get(key, TrainConfig.BEFORE_FIELD.get(key))
+            if key not in TrainConfig.CHANGEABLE_ON_RESUME and was != now:
+                changed.append(f"{flag(key)}: {now!r} now, {was!r} in the checkpoint")
         mine = self.drafter.config.to_dict()
         for key, was in config.to_dict().items():
             if mine.get(key) != was:

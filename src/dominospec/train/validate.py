@@ -18,6 +18,7 @@ samples < 1 (the default 0.05 starts validating at 20 samples).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass
 
@@ -88,6 +89,29 @@ def greedy_hits(drafter, tf: TeacherForced) -> tuple[torch.Tensor, torch.Tensor]
     return hit, has_label
 
 
+def walked_rows(anchors: torch.Tensor, hit: torch.Tensor) -> list[int]:
+    """The blocks a greedy decode visits on this text: rows of `anchors` [N] (every candidate, sorted).
+
+    The first cycle anchors at the first candidate; a cycle accepting L drafts commits them plus the
+    target's own token, so the next anchors L + 1 further on; past the end of one answer the walk
+    starts again at the next answer's first candidate (a later turn). Decoding does not choose where
+    to start a block: it starts right after a miss, at the positions the drafter found hard, which
+    evenly spaced anchors pass over as often as the easy ones.
+    """
+    cands = anchors.tolist()
+    row_of = {a: r for r, a in enumerate(cands)}
+    lengths = accepted_lengths(hit).tolist()
+    rows, a = [], cands[0] if cands else None
+    while a is not None:
+        if a not in row_of:  # past this answer: the next one, if any
+            j = bisect.bisect_left(cands, a)
+            a = cands[j] if j < len(cands) else None
+            continue
+        rows.append(row_of[a])
+        a += lengths[row_of[a]] + 1
+    return rows
+
+
 def accepted_lengths(hit: torch.Tensor) -> torch.Tensor:
     """[N]: how many leading slots of each block hit, i.e. the drafts a greedy verify would accept."""
     return hit.long().cumprod(-1).sum(-1)
@@ -127,11 +151,14 @@ class ValResult:
 class Validator:
     """Greedy acceptance of a drafter on held-out samples, measured the training way."""
 
-    def __init__(self, target, samples: list[dict], max_anchors: int = 64, batch_size: int = 8):
+    def __init__(self, target, samples: list[dict], max_anchors: int = 64, batch_size: int = 8, walk: bool = False):
+        """walk: count the blocks a greedy decode of each answer would visit (`walked_rows`), as the
+        benchmark does; else `max_anchors` evenly spaced anchors per sample (0: all)."""
         if not samples:
             raise DominoError("validation needs at least one sample")
-        self.target, self.samples, self.batch_size = target, samples, max(1, batch_size)
-        self.anchors = [validation_anchors(torch.tensor(s["loss_mask"]), max_anchors) for s in samples]
+        self.target, self.samples, self.batch_size, self.walk = target, samples, max(1, batch_size), walk
+        cap = 0 if walk else max_anchors
+        self.anchors = [validation_anchors(torch.tensor(s["loss_mask"]), cap) for s in samples]
 
     @torch.no_grad()
     def evaluate(self, drafter, dist: Dist | None = None) -> ValResult:
@@ -148,11 +175,17 @@ class Validator:
             for i, f in zip(chunk, feats):
                 ids = torch.tensor(self.samples[i]["input_ids"], device=dev)
                 mask = torch.tensor(self.samples[i]["loss_mask"], device=dev)
-                for part in self.anchors[i].to(dev).split(ANCHOR_CHUNK):
-                    tf = teacher_forced_blocks(drafter, f, ids, mask, part)
-                    judged, passed = acceptance_counts(*greedy_hits(drafter, tf))
-                    counts[0] += judged.to(counts.dtype)
-                    counts[1] += passed.to(counts.dtype)
+                hits = [
+                    greedy_hits(drafter, teacher_forced_blocks(drafter, f, ids, mask, part))
+                    for part in self.anchors[i].to(dev).split(ANCHOR_CHUNK)
+                ]
+                hit, has_label = torch.cat([h for h, _ in hits]), torch.cat([h for _, h in hits])
+                if self.walk:
+                    rows = walked_rows(self.anchors[i], hit)
+                    hit, has_label = hit[rows], has_label[rows]
+                judged, passed = acceptance_counts(hit, has_label)
+                counts[0] += judged.to(counts.dtype)
+                counts[1] += passed.to(counts.dtype)
         counts = dist.all_sum(counts)
         return ValResult([int(x) for x in counts[0].tolist()], [int(x) for x in counts[1].tolist()], len(self.samples))
 

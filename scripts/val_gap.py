@@ -1,0 +1,62 @@
+"""How far training validation is from what decoding measures, and why (the shipped SmolLM2 drafter).
+
+    taskset -c 0 python scripts/val_gap.py --prompts 8 --new-tokens 96
+
+On the held-out conversations of the committed data (the trainer's own --val-fraction split):
+  live    greedy speculative decoding of each held-out prompt: tokens per cycle, as `bench` counts
+  spread  validation as training ran it until now: 64 evenly spaced anchors of the sampled answers
+  walk    validation walking the sampled answers the way greedy decoding walks text (`--val-walk`)
+  greedy  both validations on the target's own greedy answers (the text `live` decoded)
+Each tau is 1 + sum_k prod_{i<=k} p_i of the acceptance counts, as acceptance.json holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from dominospec.data.dataset import load_dataset_dir
+from dominospec.decode.single import generate_speculative
+from dominospec.drafter import Drafter
+from dominospec.drafter.checkpoint import shipped_drafter_dir
+from dominospec.target import Target
+from dominospec.train.validate import Validator, split_validation
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data/smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out conversations used")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    target = Target.load("smollm2-135m", device="cpu", dtype="float32")
+    drafter = Drafter.from_pretrained(shipped_drafter_dir("smollm2-135m"), target=target).float()
+    _, val = split_validation(load_dataset_dir(args.data, target=target)[1], 0.05)
+    val = val[: args.prompts]
+
+    greedy, tokens, cycles = [], 0, 0
+    for s in val:
+        start = s["loss_mask"].index(1)
+        prompt = s["input_ids"][:start]
+        res = generate_speculative(target, drafter, prompt, args.new_tokens, eos_ids=target.eos_ids)
+        tokens, cycles = tokens + len(res.tokens), cycles + res.cycles
+        greedy.append(
+            {"id": s["id"], "input_ids": prompt + res.tokens, "loss_mask": [0] * start + [1] * len(res.tokens)}
+        )
+    sampled = [{**s, "input_ids": s["input_ids"][: s["loss_mask"].index(1) + args.new_tokens]} for s in val]
+    for s in sampled:
+        s["loss_mask"] = s["loss_mask"][: len(s["input_ids"])]
+
+    print(f"{len(val)} held-out prompts, {args.new_tokens} new tokens; tau (tokens per cycle)")
+    print(f"  live greedy decoding              {tokens / cycles:.3f}")
+    for name, data in (("sampled answers", sampled), ("greedy answers ", greedy)):
+        for mode, walk in (("spread", False), ("walk  ", True)):
+            r = Validator(target, data, 64, walk=walk).evaluate(drafter)
+            p = ", ".join(f"{x:.2f}" for x in r.conditional[:4] if x is not None)
+            print(f"  validation {mode} on {name}  {r.tau:.3f}   p1..4 {p}   ({r.blocks} blocks)")
+
+
+if __name__ == "__main__":
+    main()
