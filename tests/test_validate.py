@@ -41,6 +41,16 @@ def ids(samples):
 # ----- the split -----
 
 
+def test_off_policy_samples_always_train_and_leave_the_on_policy_split_as_it_was():
+    on = fake_samples(300)
+    off = [{**s, "id": s["id"].replace("src:", "pydoc:"), "labels": "target-argmax"} for s in fake_samples(300)]
+    train, val = split_validation(on + off, 0.1)
+    assert val and all(s.get("labels", "on-policy") == "on-policy" for s in val)
+    assert ids(val) == ids(split_validation(on, 0.1)[1])  # adding off-policy data moves nothing
+    assert len([s for s in train if s.get("labels") == "target-argmax"]) == len(off)
+    assert split_validation(off, 0.1)[1]  # a purely off-policy set still validates (on itself)
+
+
 def test_split_is_disjoint_by_conversation_and_the_same_in_every_run():
     samples = fake_samples(300)
     train, val = split_validation(samples, 0.1)

@@ -45,12 +45,18 @@ def held_out_score(conversation: str) -> float:
 
 
 def split_validation(samples: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
-    """(training, validation) samples: conversations whose score is below `fraction` are held out."""
+    """(training, validation) samples: conversations whose score is below `fraction` are held out.
+
+    Only on-policy conversations (answers the target wrote) are candidates: off-policy samples
+    (`labels` other than on-policy, e.g. pydoc texts) always train, since validation must measure
+    acceptance on what the target itself would write. A set with no on-policy sample validates on all.
+    """
     if not 0 <= fraction < 1:
         raise DominoError(f"--val-fraction must be in [0, 1), got {fraction}")
     if fraction * len(samples) < 1:
         return list(samples), []
-    score = {c: held_out_score(c) for c in {conversation_of(s) for s in samples}}
+    on_policy = {conversation_of(s) for s in samples if s.get("labels", "on-policy") == "on-policy"}
+    score = {c: held_out_score(c) for c in on_policy or {conversation_of(s) for s in samples}}
     held = {c for c, x in score.items() if x < fraction} or {min(score, key=score.get)}
     train = [s for s in samples if conversation_of(s) not in held]
     val = [s for s in samples if conversation_of(s) in held]
