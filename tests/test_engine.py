@@ -449,6 +449,7 @@ def test_bench_concurrency_reports_every_policy_and_level(target, drafter, tmp_p
     for r in res["rows"]:
         assert r["requests"] == 3 and r["tokens"] <= 18 and r["tokens_per_s"] > 0 and r["errors"] == 0
         assert (r["tau"] is None) == (r["policy"] == "plain")
+        assert r["mismatches"] == 0  # greedy, float64-exact tiny model: every run answers like the first
     paths = write_concurrency(res, tmp_path, plots=False)
     assert {p.name for p in paths} == {"concurrency.json", "concurrency.md"}
     assert "| fixed | 2 |" in (tmp_path / "concurrency.md").read_text()

@@ -3,8 +3,10 @@
 At concurrency C, C clients each submit a request, wait for it, and submit the next, over the
 prompt sets, until every prompt has been answered once (at least C requests). The engine runs with
 max_batch = C. Reported per (policy, C): aggregate generated tokens/s over the wall time, per-request
-time per output token (median, p90; after the first token), time to first token, tau, and the
-average verify length per request per step (DSpark's budget curve).
+time per output token (median, p90; after the first token), time to first token, tau, the
+average verify length per request per step (DSpark's budget curve), the share of steps run without a
+drafter pass, and at T=0 the requests whose tokens differ from the first run's answer to the same
+prompt (batched fp32 rounds differently from batch 1: a near-tie can flip, and this counts it).
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def _quantile(xs: Sequence[float], q: float) -> float | None:
 
 
 def closed_loop(engine: Engine, prompts: list[list[int]], clients: int, max_new_tokens: int, sampling, seed=0):
-    """C client threads, each submitting its next prompt when its last answer is done. -> (results, wall s)."""
+    """C client threads, each submitting its next prompt when its last answer is done.
+
+    -> (results, wall s, which[j] = the index in `prompts` of results[j])."""
     todo = list(prompts)
     while len(todo) < clients:
         todo += prompts
-    lock, results = threading.Lock(), []
+    lock, results, which = threading.Lock(), [], []
     queue = iter(enumerate(todo))
 
     def client():
@@ -80,6 +84,7 @@ def closed_loop(engine: Engine, prompts: list[list[int]], clients: int, max_new_
             res = engine.submit(EngineRequest(p, max_new_tokens, sampling, seed=seed + i)).wait()
             with lock:
                 results.append(res)
+                which.append(i % len(prompts))
 
     engine.start()
     t0 = time.perf_counter()
@@ -90,7 +95,7 @@ def closed_loop(engine: Engine, prompts: list[list[int]], clients: int, max_new_
         t.join()
     wall = time.perf_counter() - t0
     engine.shutdown(drain=True)
-    return results, wall
+    return results, wall, which
 
 
 def summarize_level(results, wall: float) -> dict:
@@ -134,15 +139,19 @@ def bench_concurrency(
     max_len = max(len(p) for p in prompts) + max_new_tokens + 2 * (block_size or 16) + 2
     for policy in policies:  # every policy's requirements (drafter, cost table) before anything runs
         make_engine(target, drafter, policy, 1, block_size, costs, max_len)
-    rows = []
+    rows, reference = [], {}  # greedy: each prompt's tokens from the first run, what every other run must equal
     for policy in policies:
         for c in levels:
             engine = make_engine(target, drafter, policy, c, block_size, costs, max_len)
             warm = engine.submit(EngineRequest(prompts[0], WARMUP_TOKENS, sampling, seed=seed))
             engine.run_until_idle()
             warm.wait()
-            results, wall = closed_loop(engine, prompts, c, max_new_tokens, sampling, seed)
+            results, wall, which = closed_loop(engine, prompts, c, max_new_tokens, sampling, seed)
             row = {"policy": policy, "concurrency": c, **summarize_level(results, wall)}
+            if sampling.greedy:
+                for i, r in zip(which, results):
+                    reference.setdefault(i, r.tokens)
+                row["mismatches"] = sum(r.tokens != reference[i] for i, r in zip(which, results))
             row["slot_bytes"] = engine.slot_bytes
             stats = engine.stats()
             row["draft_skipped"] = stats["draft_skipped"] / stats["steps"] if stats["steps"] else 0.0
@@ -172,14 +181,15 @@ def format_row(row: dict) -> str:
     return (
         f"| {row['policy']} | {row['concurrency']} | {row['tokens_per_s']:.1f} | {_ms(row['tpot_median_s'])} | "
         f"{_ms(row['tpot_p90_s'])} | {_ms(row['ttft_median_s'])} | {tau} | {verify} | "
-        f"{100 * row.get('draft_skipped', 0.0):.0f}% | {row['requests']} |"
+        f"{100 * row.get('draft_skipped', 0.0):.0f}% | {row.get('mismatches', '-')} | {row['requests']} |"
     )
 
 
 def format_concurrency_table(results: dict) -> str:
     head = (
         "| policy | concurrency | tok/s | TPOT median ms | TPOT p90 ms | TTFT median ms | tau | "
-        "verify/request | steps without drafting | requests |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "verify/request | steps without drafting | mismatches | requests |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     return "\n".join([head] + [format_row(r) for r in results["rows"]])
 
