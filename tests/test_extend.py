@@ -151,3 +151,16 @@ def test_validation_split_keeps_conversations_of_a_data_set_apart(target, tmp_pa
     train, val = split_validation(samples, 0.2)
     assert train and val
     assert not {conversation_of(s) for s in train} & {conversation_of(s) for s in val}
+
+
+def test_one_part_of_the_shipped_data_set_loads_alone_with_its_ids():
+    """`train --data data/smollm2-135m/part-000` reads exactly what the shipped drafter trained on, with the
+    same sample ids (so the same validation split) as when the data set held only that part."""
+    from dominospec.data.dataset import load_dataset_dir
+
+    shipped = Path(__file__).resolve().parents[1] / "data" / "smollm2-135m"
+    meta, part = load_dataset_dir(shipped / "part-000")
+    _, whole = load_dataset_dir(shipped)
+    assert meta["parts"] == ["part-000"] and len(part) == meta["counts"]["conversations"] == 1024
+    assert len(whole) > len(part)  # control: the data set has grown past that part
+    assert [s["id"] for s in part] == [s["id"] for s in whole if s["id"].startswith("part-000:")]

@@ -70,6 +70,9 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
     if is_dataset(d):
         with shared_lock(d):  # an add in progress finishes first
             return _load_parts(d, target, allow_other_target)
+    if is_dataset(d.parent) and d.name in {p["name"] for p in read_manifest(d.parent)["parts"]}:
+        with shared_lock(d.parent):  # one part of a data set (DATASET/part-000): what a drafter trained on then
+            return _load_parts(d.parent, target, allow_other_target, only=d.name)
     meta = read_meta(d)
     if meta is None:
         raise DominoError(
@@ -95,18 +98,20 @@ def load_dataset_dir(data_dir: str | Path, target=None, allow_other_target: bool
     return meta, samples
 
 
-def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[dict]]:
-    """A data set of parts: every part's compact shards, sample ids prefixed with their part."""
+def _load_parts(d: Path, target, allow_other_target: bool, only: str | None = None) -> tuple[dict, list[dict]]:
+    """A data set of parts: every part's compact shards (or the part named `only`), sample ids prefixed
+    with their part."""
     manifest = read_manifest(d)
+    parts = [p for p in manifest["parts"] if only is None or p["name"] == only]
     meta = {
         **{k: manifest.get(k) for k in SHARED},
         "target_sha256": manifest.get("target_sha256"),
         "format": manifest["format"],
         "complete": True,
-        "parts": [p["name"] for p in manifest["parts"]],
-        "counts": manifest.get("counts"),
+        "parts": [p["name"] for p in parts],
+        "counts": manifest.get("counts") if only is None else parts[0].get("counts"),
     }
-    modes = {bool(p["settings"].get("enable_thinking")) for p in manifest["parts"]}
+    modes = {bool(p["settings"].get("enable_thinking")) for p in parts}
     meta["enable_thinking"] = modes.pop() if len(modes) == 1 else None  # None: parts made in both modes
     vocab_size = meta["vocab_size"]
     if target is not None:
@@ -114,7 +119,7 @@ def _load_parts(d: Path, target, allow_other_target: bool) -> tuple[dict, list[d
         vocab_size = target.vocab_size
     check_no_unlisted_parts(d, manifest)
     samples, seen = [], set()
-    for entry in manifest["parts"]:
+    for entry in parts:
         check_part_files(d, entry)
         for path in sorted(d / entry["name"] / f for f in entry["files"] if SHARD_NAME.fullmatch(f)):
             for n, sample in enumerate(read_npz_shard(path)):
