@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import save_char_model
+from conftest import run_cli, save_char_model, write_prompts
 
 import dominospec
 from dominospec import DominoError, cli
@@ -32,18 +32,6 @@ def shared_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def char_model(shared_dir) -> Path:
     return save_char_model(shared_dir / "char-model", CONTEXT)
-
-
-def write_prompts(path: Path, texts) -> Path:
-    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts), encoding="utf-8")
-    return path
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    """(exit code, stderr) of one dominospec command, run in this process."""
-    capsys.readouterr()
-    rc = cli.main([str(a) for a in argv])
-    return rc, capsys.readouterr().err
 
 
 def prepare_args(model, prompts, out, *extra) -> list:
