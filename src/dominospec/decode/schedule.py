@@ -172,6 +172,14 @@ class RunningAcceptance:
             out.append((passed + 2.0 * p) / (judged + 2.0))
         return out
 
+    def survival(self, b: int) -> list[float]:
+        """a_k = P(drafts 1..k all accepted) for k = 1..b: running products of the conditionals."""
+        out, a = [], 1.0
+        for p in self.conditional(b):
+            a *= p
+            out.append(a)
+        return out
+
 
 @dataclass
 class CostPolicy(ConfidencePolicy):
@@ -218,11 +226,7 @@ class CostPolicy(ConfidencePolicy):
 
     def drafting_pays(self, context: int = 0) -> bool:
         """Whether a drafter cycle, at the running acceptance, beats one plain decode step."""
-        survival, a = [], 1.0
-        for p in self.acceptance.conditional(self.block_size):
-            a *= p
-            survival.append(a)
-        with_draft = self.rates(survival, context)
+        with_draft = self.rates(self.acceptance.survival(self.block_size), context)
         plain = 1.0 / self.costs.verify_seconds(context)[0]
         return max(with_draft[1:], default=0.0) > plain
 
@@ -428,10 +432,7 @@ class BatchPolicy:
 
     def drafting_pays(self, rows: int, block_size: int) -> bool:
         """Whether a step with a drafter pass, at the running acceptance, beats a plain step of `rows` rows."""
-        survival, a = [], 1.0
-        for p in self.acceptance.conditional(block_size):
-            a *= p
-            survival.append(a)
+        survival = self.acceptance.survival(block_size)
         ks = allocate_verify([survival] * rows, lambda B: self.costs.step_seconds(rows, B))
         tau = rows + sum(sum(survival[:k]) for k in ks)
         with_draft = tau / self.costs.step_seconds(rows, rows + sum(ks))
