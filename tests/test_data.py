@@ -511,3 +511,17 @@ def test_prepare_data_cli_on_smollm2(tmp_path, cli_smollm):
         check_on_policy_layout(group, convs[cid], ChatCodec.for_target(target), target.eos_ids, 8)
         first_answer = group[0]["loss_mask"].index(1)
         assert target.tokenizer.decode(group[0]["input_ids"][:first_answer]).endswith("<|im_start|>assistant\n")
+
+
+def test_skip_continues_a_sources_draw_without_repeating_it():
+    """--skip N drops the first N conversations: builtin:M+N with skip N continues builtin:N of the same seed."""
+    first, _ = load_prompts(["builtin:40"], seed=3)
+    rest, sources = load_prompts(["builtin:100"], seed=3, skip=40)
+    whole, _ = load_prompts(["builtin:100"], seed=3)
+    assert [c.turns for c in first + rest] == [c.turns for c in whole]
+    assert not {c.turns for c in first} & {c.turns for c in rest} and not {c.id for c in first} & {c.id for c in rest}
+    assert sources[0]["conversations"] == 60 and sources[0]["skipped"] == 40
+    _, two = load_prompts(["builtin:3", "pydoc:5"], seed=1, skip=4)  # the skip runs over the sources in order
+    assert [(s["conversations"], s["skipped"]) for s in two] == [(0, 3), (4, 1)]
+    with pytest.raises(DominoError, match="--skip 3: the prompt sources give only 3"):
+        load_prompts(["builtin:3"], skip=3)

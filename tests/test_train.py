@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from dominospec import DominoError, generate_speculative
 from dominospec.train.blocks import IGNORE, anchor_candidates, make_blocks, simulated_tau
+from dominospec.train.run import TrainJob, training_subset
 from dominospec.train.samples import validate_samples
 from dominospec.train.trainer import TrainConfig, Trainer
 
@@ -224,3 +225,20 @@ def test_train_job_refuses_contradictory_starts_before_any_work(tmp_path):
     with pytest.raises(DominoError, match="--val-fraction must be in"):
         TrainJob(data=tmp_path, out=tmp_path / "o", val_fraction=1.0)
     assert not (tmp_path / "o").exists()
+
+
+def test_training_subset_takes_a_prefix_of_one_labels_kind():
+    """--train-labels / --train-samples pick the first N training samples of a kind, in data set order."""
+    samples = [{"id": f"a:{i}", "labels": "on-policy" if i % 3 else "target-argmax"} for i in range(12)]
+    samples.append({"id": "old:0"})  # a sample written before labels were recorded is on-policy
+    on = training_subset(samples, "on-policy", None, "D", 0)
+    assert [s["id"] for s in on] == ["a:1", "a:2", "a:4", "a:5", "a:7", "a:8", "a:10", "a:11", "old:0"]
+    assert training_subset(samples, "on-policy", 3, "D", 0) == on[:3]
+    assert [s["id"] for s in training_subset(samples, "off-policy", 2, "D", 0)] == ["a:0", "a:3"]
+    assert training_subset(samples, "all", None, "D", 0) == samples
+    with pytest.raises(DominoError, match=r"--train-samples 10: D has only 9 training samples \(on-policy"):
+        training_subset(samples, "on-policy", 10, "D", 5)
+    with pytest.raises(DominoError, match="--train-labels off-policy: D holds no such"):
+        training_subset(samples[-1:], "off-policy", None, "D", 0)
+    with pytest.raises(DominoError, match="--train-labels must be one of"):
+        TrainJob(data="D", out="O", train_labels="mixed")

@@ -29,6 +29,7 @@ def cmd_prepare(args) -> int:
         sampler=args.sampler or "batch",
     )
     require_at_least(args, 1, "limit")
+    require_at_least(args, 0, "skip")
     check_prompt_specs(args.prompts)
     ensure_writable_dir(args.out)
     if args.extend:
@@ -41,6 +42,7 @@ def cmd_prepare(args) -> int:
         args.prompts,
         seed=args.seed,
         limit=args.limit,
+        skip=args.skip,
         on_error=args.on_error,
         report=log,
         target=target,
@@ -107,7 +109,15 @@ def add_parser(sub) -> None:
         "for byte as they were, and a run made by another target or tokenizer is refused. Runs extending "
         "one data set at once take turns (DATASET/.lock). `train --data DATASET` reads every part",
     )
-    p.add_argument("--limit", type=int, default=None, help="keep the first N conversations overall")
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="drop the first N conversations of the sources, to continue a draw an earlier run began: "
+        "--prompts builtin:3072 --seed 11 --skip 1024 gives the 2,048 builtin prompts after those of "
+        "builtin:1024 --seed 11, none repeated (default %(default)s)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="keep the first N conversations overall (after --skip)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=0.8, help="nucleus sampling mass (default %(default)s)")

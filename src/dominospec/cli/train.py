@@ -10,7 +10,7 @@ from ..data.dataset import check_data_dir
 from ..drafter.checkpoint import read_checkpoint
 from ..errors import DominoError
 from ..export.plan import why_not_exact
-from ..train.run import TrainJob, train_drafter
+from ..train.run import TRAIN_LABELS, TrainJob, train_drafter
 from ..train.trainer import TrainConfig
 from .common import (
     add_arch_args,
@@ -59,6 +59,8 @@ def cmd_train(args) -> int:
         init_from_layer=args.init_from_layer,
         val_data=args.val_data,
         val_fraction=args.val_fraction,
+        train_samples=args.train_samples,
+        train_labels=args.train_labels,
         feature_cache=args.feature_cache,
         resume=args.resume,
         save_dtype=SAVE_DTYPES[args.save_dtype],
@@ -196,6 +198,21 @@ def add_parser(sub) -> None:
         default=default(TrainJob, "val_fraction"),
         help="hold out this fraction of the conversations for validation (by id hash, the same in "
         "every run; at least one; none while fraction x samples < 1) (default %(default)s)",
+    )
+    p.add_argument(
+        "--train-labels",
+        choices=TRAIN_LABELS,
+        default="all",
+        help="train only on the on-policy samples (answers the target wrote) or only on the off-policy ones "
+        "(texts it read, e.g. pydoc:N); the validation set is the same either way (default %(default)s)",
+    )
+    p.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="train on the first N training samples only (data set order, after the validation split and "
+        "--train-labels): the points of a scaling curve, all judged on the same held-out conversations",
     )
     p.add_argument(
         "--val-data", default=None, help="validate on this prepare-data directory instead of holding out part of --data"

@@ -18,6 +18,7 @@ def load_prompts(
     specs: list[str],
     seed: int = 0,
     limit: int | None = None,
+    skip: int = 0,
     on_error: str = "skip",
     report=None,
     target=None,
@@ -32,7 +33,10 @@ def load_prompts(
 
     self:N (prompts the target writes itself) needs `target`; with `keep_in` (the run's output
     directory) the questions are kept there and reused when the run is resumed, not written again.
-    Sources are concatenated in the order given; `limit` keeps the first N conversations overall.
+    Sources are concatenated in the order given; `skip` drops the first N conversations overall (a
+    source's draw continued where an earlier run stopped: builtin:3072 with skip 1024 is the 2,048
+    prompts after builtin:1024 of the same seed) and `limit` then keeps the first N. A source record
+    counts the conversations it gave after the skip, and says how many it skipped.
     """
     conversations, sources, names = [], [], set()
     for spec in specs:
@@ -63,6 +67,15 @@ def load_prompts(
         record["conversations"] = len(convs)
         conversations.extend(convs)
         sources.append(record)
+    if skip:
+        if skip >= len(conversations):
+            raise DominoError(f"--skip {skip}: the prompt sources give only {len(conversations)} conversations")
+        conversations = conversations[skip:]
+        left = skip
+        for record in sources:
+            record["skipped"] = min(left, record["conversations"])
+            record["conversations"] -= record["skipped"]
+            left -= record["skipped"]
     if limit is not None:
         conversations = conversations[:limit]
     ids = [c.id for c in conversations]

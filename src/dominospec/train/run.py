@@ -24,6 +24,8 @@ from .samples import draft_vocab_coverage, fresh_drafter, init_from_target_layer
 from .trainer import TrainConfig, Trainer
 from .validate import Validator, shared_sequences, split_validation
 
+TRAIN_LABELS = ("all", "on-policy", "off-policy")
+
 
 @dataclass(kw_only=True)
 class TrainJob:
@@ -38,6 +40,8 @@ class TrainJob:
     init_from_layer: int | None = None  # a fresh drafter's layers start from the target's layers J, J+1, ...
     val_data: str | Path | None = None  # validate on this directory instead of a held-out part of `data`
     val_fraction: float = 0.05  # conversations held out for validation, by id hash
+    train_samples: int | None = None  # train on the first N training samples only (after the split): scaling curves
+    train_labels: str = "all"  # train on these samples only: all, on-policy, off-policy (validation is unchanged)
     feature_cache: str | Path | None = None  # target features cached here (fp16) for multi-epoch runs
     resume: bool = False  # continue from the checkpoint in `out`
     save_dtype: torch.dtype | None = None  # of the exported weights (None: float32)
@@ -48,6 +52,10 @@ class TrainJob:
             raise DominoError(f"--draft-vocab must be at least 0, got {self.draft_vocab}")
         if not 0 <= self.val_fraction < 1:
             raise DominoError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.train_labels not in TRAIN_LABELS:
+            raise DominoError(f"--train-labels must be one of {', '.join(TRAIN_LABELS)}, got {self.train_labels!r}")
+        if self.train_samples is not None and self.train_samples < 1:
+            raise DominoError(f"--train-samples must be at least 1, got {self.train_samples}")
         if self.init and self.init_from_layer is not None:
             raise DominoError("--init-from-layer starts a fresh drafter; it cannot be combined with --init")
 
@@ -60,6 +68,24 @@ class TrainJob:
                 f"{out} already holds a training checkpoint; pass --resume to continue it or choose another --out"
             )
         return out, cache
+
+
+def training_subset(samples: list[dict], labels: str, n: int | None, where: str, held_out: int) -> list[dict]:
+    """The training samples of one labels kind (`all`, `on-policy`, `off-policy`), the first `n` in data set
+    order: the points of a scaling curve are prefixes of one another, judged on the same held-out set."""
+    if labels != "all":
+        on = labels == "on-policy"
+        samples = [s for s in samples if (s.get("labels", "on-policy") == "on-policy") == on]
+        if not samples:
+            raise DominoError(f"--train-labels {labels}: {where} holds no such training sample")
+    if n is not None:
+        if n > len(samples):
+            raise DominoError(
+                f"--train-samples {n}: {where} has only {len(samples)} training samples "
+                f"({labels}, after holding out {held_out} for validation)"
+            )
+        samples = samples[:n]
+    return samples
 
 
 def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
@@ -79,6 +105,7 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
             )
     else:
         samples, val_samples = split_validation(samples, job.val_fraction)
+    samples = training_subset(samples, job.train_labels, job.train_samples, f"{job.data}", len(val_samples))
     dev = target.device
     dist = init_distributed(dev)
     if dist.world > 1 and dev.type == "cuda":
