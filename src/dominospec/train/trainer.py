@@ -681,12 +681,13 @@ class Trainer:
                 dynamic_ncols=True,
                 file=sys.stderr,
             )
-        t0, tokens0 = time.perf_counter(), 0
+        t0, tokens0, cpu0 = time.perf_counter(), 0, time.process_time()
         last = {}
         while self.step < self.total:
             rec = self.train_step()
             tokens0 += rec["tokens"]
             rec["tokens_per_s"] = tokens0 / max(1e-9, time.perf_counter() - t0)
+            rec["cpu_s"] = time.process_time() - cpu0  # this process's CPU time so far (validation included)
             last = rec
             if self.dist.main:
                 with open(metrics_path, "a") as f:

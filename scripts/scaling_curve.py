@@ -1,0 +1,106 @@
+"""What each amount of training data buys: validation tau of drafters trained on growing prefixes of one data set.
+
+    taskset -c 1 python scripts/scaling_curve.py runs/curve/n256-bf16 runs/curve/n512-bf16 ... \
+        --data data/smollm2-135m --json docs/scaling.json --plot docs/img/scaling.png
+
+Each RUN is a `dominospec train --out` directory (trained with --train-samples N). Every drafter is
+judged again here on one held-out set, the validation split of --data (its on-policy conversations
+whose id hash falls below --val-fraction, the split train uses), walked the way greedy decoding walks
+an answer (`--val-walk`), so runs trained while the data set was smaller stay comparable. Reported per
+run: training samples, epochs, the best step, validation tau and the first draft's acceptance there,
+and the run's training CPU-hours (from metrics.jsonl, where it was recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from dominospec.data.dataset import load_dataset_dir
+from dominospec.drafter import Drafter
+from dominospec.target import Target
+from dominospec.train.validate import Validator, split_validation
+
+
+def run_facts(run: Path) -> dict:
+    """Samples, steps and CPU time of a finished training run, from its own files."""
+    state = torch.load(run / "train_state" / "trainer.pt", map_location="cpu", weights_only=False)
+    cfg = state["train_config"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+    steps = [r for r in records if "tau_greedy" in r]
+    val = [r for r in records if "val_tau" in r]
+    best = max(val, key=lambda r: r["val_tau"]) if val else None
+    cpu = max((r.get("cpu_s", 0.0) for r in steps), default=0.0)
+    samples = state["num_samples"]
+    return {
+        "run": run.name,
+        "samples": samples,
+        "steps": state["step"],
+        "epochs": round(state["step"] * cfg["batch_size"] / samples, 2),
+        "bf16": cfg.get("bf16", False),
+        "best_step": best["step"] if best else None,
+        "train_val_tau": best["val_tau"] if best else None,
+        "train_cpu_h": round(cpu / 3600, 3) if cpu else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, help="train --out directories")
+    ap.add_argument("--data", default="data/smollm2-135m", help="the data set whose held-out split judges all runs")
+    ap.add_argument("--val-fraction", type=float, default=0.05)
+    ap.add_argument("--json", type=Path, default=None, help="write the table here")
+    ap.add_argument("--plot", type=Path, default=None, help="draw tau and first-draft acceptance against samples")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    target = Target.load("smollm2-135m", device="cpu", dtype="float32")
+    _, val = split_validation(load_dataset_dir(args.data, target=target)[1], args.val_fraction)
+    validator = Validator(target, val, walk=True)
+    rows = []
+    for run in args.runs:
+        row = run_facts(run)
+        drafter = Drafter.from_pretrained(run, target=target).float()
+        result = validator.evaluate(drafter)
+        row.update(val_tau=round(result.tau, 4), p1=round(result.conditional[0] or 0.0, 4), val_blocks=result.blocks)
+        rows.append(row)
+        print(
+            f"{row['run']:<24} samples {row['samples']:>5}  epochs {row['epochs']:>5}  best step {row['best_step']}  "
+            f"tau {row['val_tau']:.3f}  p1 {row['p1']:.3f}  (at training: {row['train_val_tau']})  "
+            f"train CPU-h {row['train_cpu_h']}"
+        )
+    table = {"data": args.data, "held_out": len(val), "walk": True, "runs": rows}
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for bf16 in (True, False):
+        pts = sorted((r["samples"], r["val_tau"], r["p1"]) for r in rows if r["bf16"] == bf16)
+        if not pts:
+            continue
+        label = "bf16 autocast" if bf16 else "fp32"
+        a.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        b.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
+    for ax, name in ((a, "validation tau (walked, greedy)"), (b, "first-draft acceptance")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("on-policy training conversations")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
