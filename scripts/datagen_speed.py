@@ -4,7 +4,11 @@ Runs the library's own shard generator (data/prepare.py) on the same builtin pro
   hf-batch      transformers' generate in static batches (how data/smollm2-135m was made)
   native-batch  the native forward in static batches (prepare-data's path before --sampler slots)
   native-slots  the native forward, cache rows refilled as answers end (--sampler slots)
-and, with --pydoc N, the off-policy labelling pass (supervised tokens per CPU-second).
+  native-slots-capture  the same, keeping the target states it computes in a feature cache
+                (prepare-data --feature-cache), so training needs no feature pass
+With --features, every other path also pays the trainer's feature pass over its samples (what
+`train --feature-cache` computes on first reading them): tokens ready to train on per CPU-second.
+And, with --pydoc N, the off-policy labelling pass (supervised tokens per CPU-second).
 Rounds are interleaved in one process and timed with this thread's CPU clock, so a core shared
 with another job slows every path alike; run pinned, e.g.
     taskset -c 0 python scripts/datagen_speed.py --batch-sizes 8,16 --max-new-tokens 384
@@ -13,6 +17,7 @@ Each run answers one default-sized shard (8 batches) of the same builtin prompts
 
 import argparse
 import json
+import tempfile
 import time
 from collections import Counter
 from dataclasses import replace
@@ -22,7 +27,8 @@ import torch
 from dominospec import Target
 from dominospec.data.builtin import builtin_prompts
 from dominospec.data.offpolicy import label_texts, pydoc_texts
-from dominospec.data.prepare import ChatCodec, PrepareConfig, _generate_shard
+from dominospec.data.prepare import ChatCodec, FeatureCapture, PrepareConfig, _generate_shard
+from dominospec.target.features import FeatureCache
 
 p = argparse.ArgumentParser()
 p.add_argument("--target", default="smollm2-135m")
@@ -34,6 +40,7 @@ p.add_argument("--rounds", type=int, default=2)
 p.add_argument("--pydoc", type=int, default=0, help="also time labelling this many off-policy texts")
 p.add_argument("--threads", type=int, default=1)
 p.add_argument("--json", default=None, help="write the per-run numbers here")
+p.add_argument("--features", action="store_true", help="count the feature pass training needs (see above)")
 args = p.parse_args()
 
 torch.set_num_threads(args.threads)
@@ -44,17 +51,26 @@ convs = builtin_prompts(args.batches * max(sizes), seed=5)
 base = PrepareConfig(max_new_tokens=args.max_new_tokens, temperature=0.7, top_p=0.8, seed=1)
 methods = args.methods.split(",")
 
-_generate_shard(targets["native"], codec, convs[:2], 0, 2, replace(base, batch_size=2), lambda c: None)  # warm-up
+_generate_shard(targets["native"], codec, convs[:2], 0, 2, replace(base, batch_size=2), lambda c: None, None)  # warm-up
 rows = []
 for rnd in range(args.rounds):
     for bs in sizes:
         for method in methods:
-            backend, sampler = method.split("-")
+            backend, sampler, *capturing = method.split("-")
             n_prompts = args.batches * bs  # one shard of prepare-data's default size
             cfg = replace(base, batch_size=bs, shard_size=n_prompts, sampler=sampler)
-            cpu0, wall0 = time.thread_time(), time.perf_counter()
-            _, stats = _generate_shard(targets[backend], codec, convs, 0, n_prompts, cfg, lambda c: None)
-            cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
+            target = targets[backend]
+            with tempfile.TemporaryDirectory() as tmp:
+                capture = FeatureCapture(FeatureCache(tmp, target), list(target.layer_ids)) if capturing else None
+                cpu0, wall0 = time.thread_time(), time.perf_counter()
+                samples, stats = _generate_shard(target, codec, convs, 0, n_prompts, cfg, lambda c: None, capture)
+                if args.features and not capturing:  # the pass train would run on these samples, 4 at a time
+                    for lo in range(0, len(samples), 4):
+                        ids = [s["input_ids"] for s in samples[lo : lo + 4]]
+                        feats, final = targets["native"].sequence_features(ids, target.layer_ids)
+                        for f, g in zip(feats, final):
+                            f.to(torch.float16), g.to(torch.float16)
+                cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
             n = stats["generated_tokens"]
             rows.append(dict(round=rnd, method=method, batch=bs, tokens=n, cpu_s=cpu, wall_s=wall))
             rate = f"{n / cpu:6.1f} tok/CPU-s, {n / wall:6.1f} tok/s wall"

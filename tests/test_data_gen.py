@@ -6,7 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import CONVERSATIONS, CharCodec, run_cli, tiny_target, write_prompts
+import torch
+from conftest import CONVERSATIONS, CharCodec, run_cli, tiny_drafter, tiny_target, write_prompts
 from conftest import PREPARE as CFG
 
 from dominospec import DominoError
@@ -14,13 +15,15 @@ from dominospec.data.builtin import builtin_prompts
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.data.extend import add_part
 from dominospec.data.offpolicy import ARGMAX, TEXT, label_texts, pydoc_texts
-from dominospec.data.prepare import ChatCodec, prepare_data
+from dominospec.data.prepare import ChatCodec, FeatureCapture, prepare_data
 from dominospec.data.prompts import read_prompt_file
 from dominospec.data.sampler import AnswerJob, sample_in_slots
 from dominospec.data.sources import load_prompts
 from dominospec.data.store import dataset_prompts, read_manifest
 from dominospec.sampling import SamplingConfig
 from dominospec.target import Target
+from dominospec.target.features import FeatureCache
+from dominospec.train.trainer import TrainConfig, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[0, 1, 5, 9, 63, 2], [0, 1, 7, 63, 2], [0, 1, 30, 31, 32, 33, 34, 63, 2], [0, 1, 12, 63, 2], [0, 2, 8]]
@@ -291,3 +294,48 @@ def test_prepare_data_cli_mixes_builtin_and_pydoc_on_smollm2_and_extends(tmp_pat
         assert s["input_ids"] == prompt + target.encode_raw(text)[:16]  # the text after the assistant opening
     rc, err = run_cli(capsys, *args)  # the same command again: nothing regenerated, the part not added twice
     assert rc == 0 and len(read_manifest(tmp_path / "ds")["parts"]) == 1
+
+
+# ----- features captured while generating -----
+
+
+def test_features_captured_while_generating_equal_a_separate_pass(target, tmp_path):
+    """The feature cache prepare-data fills from its own passes holds what the trainer's feature pass computes
+    (fp16), for single- and multi-turn samples, and the trainer then runs no target pass on them."""
+    cache = FeatureCache(tmp_path / "cache", target)
+    capture = FeatureCapture(cache, list(target.layer_ids))
+    cfg = replace(CFG, sampler="slots", max_new_tokens=8)
+    prepare_data(target, CONVERSATIONS, tmp_path / "d", cfg, codec=CharCodec().codec(), progress=False, capture=capture)
+    samples = load_dataset_dir(tmp_path / "d")[1]
+    assert any(sum(s["loss_mask"]) > 8 for s in samples)  # control: a multi-turn sample is among them
+    for s in samples:
+        cached = cache.read(capture.layer_ids, s["input_ids"])
+        assert cached is not None, s["id"]
+        feats, final = target.sequence_features([s["input_ids"]], capture.layer_ids)
+        for got, want in zip(cached, (feats[0], final[0])):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want.to(torch.float16).to(got.dtype), rtol=2e-3, atol=2e-3)
+    assert len(list((tmp_path / "cache").iterdir())) == len(samples)  # one file per sample, no stray turns
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the trainer ran a target pass on captured samples")
+
+    d = tiny_drafter(target, head="domino", block_size=3)
+    d.config.target_layer_ids = capture.layer_ids
+    trainer = Trainer(target, d, samples, tmp_path / "t", TrainConfig(distill=0.5), progress=False)
+    trainer.feature_cache = cache
+    target.sequence_features, kept = no_pass, target.sequence_features
+    try:
+        assert len(trainer.features(list(range(len(samples))))) == len(samples)
+    finally:
+        target.sequence_features = kept
+
+
+def test_capture_needs_the_slots_sampler(target, tmp_path, capsys):
+    capture = FeatureCapture(FeatureCache(tmp_path / "cache", target), list(target.layer_ids))
+    with pytest.raises(DominoError, match="captured by the slots sampler only"):
+        prepare_data(target, CONVERSATIONS, tmp_path / "d", CFG, codec=CharCodec().codec(), capture=capture)
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi"])
+    argv = ["prepare-data", "--target", "smollm2-135m", "--prompts", prompts, "--out", tmp_path / "o"]
+    rc, err = run_cli(capsys, *argv, "--backend", "hf", "--feature-cache", tmp_path / "c")
+    assert rc != 0 and "--feature-cache" in err and "slots sampler" in err

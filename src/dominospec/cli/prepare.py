@@ -6,11 +6,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..data.extend import add_part, check_extendable
-from ..data.prepare import SHARD_BATCHES, ChatCodec, PrepareConfig, fit_to_context, prepare_data
+from ..data.prepare import SHARD_BATCHES, ChatCodec, FeatureCapture, PrepareConfig, fit_to_context, prepare_data
 from ..data.sources import check_prompt_specs, is_self_written, load_prompts
 from ..data.store import read_manifest
+from ..errors import DominoError
 from ..io import check_free_space, ensure_writable_dir
 from ..log import log
+from ..target.features import FeatureCache, parse_layer_ids
 from .common import add_target_args, require_at_least, target_from_args
 
 
@@ -30,6 +32,8 @@ def cmd_prepare(args) -> int:
     )
     require_at_least(args, 1, "limit")
     require_at_least(args, 0, "skip")
+    if args.feature_cache:
+        ensure_writable_dir(args.feature_cache, "--feature-cache")
     check_prompt_specs(args.prompts)
     ensure_writable_dir(args.out)
     if args.extend:
@@ -60,7 +64,17 @@ def cmd_prepare(args) -> int:
         cfg = replace(cfg, sampler="slots" if getattr(target, "native", None) is not None else "batch")
     if args.extend:
         check_extendable(args.extend, target)
-    prepare_data(target, conversations, args.out, cfg, sources=sources, on_error=args.on_error)
+    capture = None
+    if args.feature_cache:
+        if cfg.sampler != "slots":
+            raise DominoError(
+                "--feature-cache: the features are captured by the slots sampler, which needs the native forward "
+                "(--backend native, Llama-family models) and --sampler slots"
+            )
+        layer_ids = parse_layer_ids(args.layer_ids, target.num_layers) if args.layer_ids else list(target.layer_ids)
+        capture = FeatureCapture(FeatureCache(args.feature_cache, target), layer_ids)
+        log(f"feature cache {args.feature_cache}: layers {layer_ids} and the final state, kept while generating")
+    prepare_data(target, conversations, args.out, cfg, sources=sources, on_error=args.on_error, capture=capture)
     if args.extend:
         # the run was made from the prompts that fit the context; those are the ones its part records
         kept, _ = fit_to_context(conversations, ChatCodec.for_target(target), target.max_positions, report=_quiet)
@@ -118,6 +132,20 @@ def add_parser(sub) -> None:
         "builtin:1024 --seed 11, none repeated (default %(default)s)",
     )
     p.add_argument("--limit", type=int, default=None, help="keep the first N conversations overall (after --skip)")
+    p.add_argument(
+        "--feature-cache",
+        default=None,
+        metavar="DIR",
+        help="keep the target's states that generation computes anyway (feature layers and final state, fp16) "
+        "in this training feature cache, so `train --feature-cache DIR` runs no target pass on these samples "
+        "(slots sampler only; about 7 KB per token for SmolLM2-135M)",
+    )
+    p.add_argument(
+        "--layer-ids",
+        default=None,
+        help="with --feature-cache: the target layers the drafter will read, as `train --layer-ids` "
+        "(default: the target's evenly spaced default, what train uses without --layer-ids)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default %(default)s)")
     p.add_argument("--top-p", type=float, default=0.8, help="nucleus sampling mass (default %(default)s)")

@@ -45,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import torch
+
 from ..errors import DominoError
 from ..io import (
     ensure_writable_dir,
@@ -57,6 +59,7 @@ from ..io import (
 from ..log import log
 from ..sampling import SamplingConfig, check_sampling
 from ..target.context import cap_new_tokens, encode_if_fits, prompt_too_long
+from ..target.features import FeatureCache
 from ..version import __version__
 from .dataset import FORMAT, read_meta, same_target, target_record
 from .offpolicy import TEXT_COUNTS, is_off_policy, label_texts
@@ -154,6 +157,28 @@ class SampleBuilder:
         self.input_ids, self.loss_mask = [], []
 
 
+@dataclass
+class FeatureCapture:
+    """Where the states the sampler captures go: the training feature cache, for these feature layers.
+
+    The sampler collects the feature layers and the last decoder layer (whose final-norm output is the
+    state the LM head reads, stored as "final" for distillation); `store` splits them into the cache's
+    layout, the layout `train --feature-cache` reads, so training runs no target pass on these samples.
+    """
+
+    cache: FeatureCache
+    layer_ids: list[int]
+
+    def layers(self, target) -> list[int]:
+        return sorted(set(self.layer_ids) | {target.num_layers - 1})
+
+    def store(self, target, input_ids: list[int], states) -> None:
+        per = dict(zip(self.layers(target), states.split(target.hidden_size, dim=-1)))  # layer -> [S, H]
+        features = torch.cat([per[j] for j in self.layer_ids], dim=-1)
+        final = target.native.final_norm(per[target.num_layers - 1])
+        self.cache.write(self.layer_ids, input_ids, features, final)
+
+
 def batch_seed(seed: int, first_index: int, turn: int) -> int:
     """The sampling seed of one batch and turn: a function of where the batch starts, not of the run's history."""
     digest = hashlib.sha256(f"{seed}:{first_index}:{turn}".encode()).digest()
@@ -209,12 +234,15 @@ def regenerate_in_slots(
     indices: list[int],
     cfg: PrepareConfig,
     progress: Callable[[Counter], None] | None = None,
+    capture: FeatureCapture | None = None,
 ) -> tuple[list[dict], Counter]:
     """regenerate_batch's samples and counts, the answers written through cfg.batch_size refilled cache
     rows (sampler.py) instead of static batches: a conversation's next turn is queued as soon as its
     answer ends. indices: each conversation's place in the run; the answer to turn t of conversation
     i is sampled with batch_seed(seed, i, t), so it does not depend on what else is in the batch.
     progress(counts): told of generated tokens and of every conversation that ends.
+    capture: the target states of each sample, computed by the generating passes, go to this feature
+    cache (a sample is one turn's prompt + answer: the conversation's last, or one before a split).
     """
     progress = progress or (lambda _counts: None)
     stats = Counter(conversations=len(conversations))
@@ -222,6 +250,7 @@ def regenerate_in_slots(
     histories: list[list[dict]] = [[] for _ in conversations]
     eos, limit = set(target.eos_ids), target.max_positions
     due = deque((i, 0) for i in range(len(conversations)))  # (conversation, turn) whose answer comes next
+    pending: dict[int, tuple] = {}  # with capture: a conversation's last turn so far, (ids, states)
 
     def next_job() -> AnswerJob | None:
         while due:
@@ -238,7 +267,16 @@ def regenerate_in_slots(
 
     def on_done(job: AnswerJob) -> None:
         i, turn, prompt = job.key
+        splits = builders[i].splits
         kept = _take_answer(stats, builders[i], histories[i], turn, prompt, job.answer, job.budget, codec, eos, cfg)
+        if capture:
+            held = pending.pop(i, None)  # the previous turn's sample: closed now if this turn split or ended it
+            if held and (builders[i].splits > splits or not kept):
+                capture.store(target, *held)
+            if kept and turn + 1 == len(conversations[i].turns):
+                capture.store(target, prompt + job.answer, job.captured())
+            elif kept:
+                pending[i] = (prompt + job.answer, job.captured())  # a sample only if the next turn splits
         if kept and turn + 1 < len(conversations[i].turns):
             due.appendleft((i, turn + 1))  # first in line: a conversation in progress finishes soon
             progress(Counter(generated_tokens=len(job.answer)))
@@ -246,7 +284,10 @@ def regenerate_in_slots(
             progress(Counter(generated_tokens=len(job.answer) if kept else 0, conversations=1))
 
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p)
-    sample_in_slots(target, next_job, on_done, cfg.batch_size, sampling, max_len=cfg.max_new_tokens + 256)
+    layers = capture.layers(target) if capture else None
+    sample_in_slots(target, next_job, on_done, cfg.batch_size, sampling, cfg.max_new_tokens + 256, layers)
+    for held in pending.values():  # conversations whose next turn did not fit the context
+        capture.store(target, *held)
     return _finish(builders, stats)
 
 
@@ -288,13 +329,17 @@ def prepare_data(
     codec: ChatCodec | None = None,
     progress: bool = True,
     on_error: str = "skip",
+    capture: FeatureCapture | None = None,
 ) -> dict:
     """Regenerate `conversations` with `target` into out_dir, resuming whatever an earlier run left.
 
     Conversations whose first prompt leaves no answer room in the target's context are reported
     and skipped (on_error="fatal": stopped) before anything is generated. Returns the final
-    meta.json content.
+    meta.json content. capture (slots sampler only): the generating passes' target states of every
+    on-policy sample go to a training feature cache; it changes nothing in the data.
     """
+    if capture and cfg.sampler != "slots":
+        raise DominoError("--feature-cache: features are captured by the slots sampler only (--sampler slots)")
     if cfg.sampler == "slots" and getattr(target, "native", None) is None:
         raise DominoError(
             f"--sampler slots needs the native forward, and target {target.name!r} runs on transformers' "
@@ -322,7 +367,7 @@ def prepare_data(
         for stale in out.iterdir():  # left by a run killed mid-write
             if is_temporary(stale):
                 stale.unlink()
-        run = _generate_missing_shards(target, codec, conversations, out, cfg, progress)
+        run = _generate_missing_shards(target, codec, conversations, out, cfg, progress, capture)
         meta.update(complete=True, counts=_sum_shard_stats(out, _num_shards(len(conversations), cfg)))
         write_json_atomic(out / "meta.json", meta)
     _report(out, meta["counts"], run)
@@ -357,7 +402,9 @@ def fit_to_context(
     return kept, over
 
 
-def _generate_missing_shards(target, codec, conversations, out: Path, cfg: PrepareConfig, progress: bool) -> Counter:
+def _generate_missing_shards(
+    target, codec, conversations, out: Path, cfg: PrepareConfig, progress: bool, capture=None
+) -> Counter:
     from tqdm import tqdm
 
     n = len(conversations)
@@ -378,7 +425,7 @@ def _generate_missing_shards(target, codec, conversations, out: Path, cfg: Prepa
 
         for k in todo:
             lo, hi = k * cfg.shard_size, min(n, (k + 1) * cfg.shard_size)
-            samples, stats = _generate_shard(target, codec, conversations, lo, hi, cfg, on_batch)
+            samples, stats = _generate_shard(target, codec, conversations, lo, hi, cfg, on_batch, capture)
             # stats first: whenever a shard file exists, so do its counts
             write_json_atomic(_stats_path(out, k), dict(stats))
             write_lines_atomic(_shard_path(out, k), [json.dumps(s, separators=(",", ":")) for s in samples])
@@ -387,13 +434,14 @@ def _generate_missing_shards(target, codec, conversations, out: Path, cfg: Prepa
 
 
 def _generate_shard(
-    target, codec, conversations, lo: int, hi: int, cfg: PrepareConfig, on_batch: Callable[[Counter], None]
+    target, codec, conversations, lo: int, hi: int, cfg: PrepareConfig, on_batch: Callable[[Counter], None], capture
 ) -> tuple[list[dict], Counter]:
     """Shard [lo, hi): the chats answered by the target, then the off-policy texts labelled by it."""
     samples, stats = [], Counter()
     chats = [k for k in range(lo, hi) if not is_off_policy(conversations[k])]
     if cfg.sampler == "slots" and chats:
-        samples, stats = regenerate_in_slots(target, codec, [conversations[k] for k in chats], chats, cfg, on_batch)
+        convs = [conversations[k] for k in chats]
+        samples, stats = regenerate_in_slots(target, codec, convs, chats, cfg, on_batch, capture)
     elif chats:
         for first in range(lo, hi, cfg.batch_size):  # batches aligned as in runs made before off-policy texts
             batch = [c for c in conversations[first : min(hi, first + cfg.batch_size)] if not is_off_policy(c)]

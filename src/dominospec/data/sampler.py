@@ -9,6 +9,12 @@ runs with a full batch until the work runs out.
 A job is one answer: (prompt ids, token budget, seed). Each job draws from its own random
 generator seeded by the job, so what it samples does not depend on which jobs share the batch.
 Jobs may be added while others run (the next turn of a conversation, after its answer so far).
+
+With `capture`, the target's hidden states at those layers are kept for every position a job's
+passes compute (its prompt's prefill, then one row per decode step), and a finished row runs one
+more step with its last token, so a job ends holding the states of every token of prompt + answer:
+what a separate no-cache pass over the sample would give, up to batch-shape rounding, and the
+trainer's feature pass need not run again.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ class AnswerJob:
     budget: int
     seed: int
     answer: list[int] = field(default_factory=list)
+    states: list[torch.Tensor] = field(default_factory=list)  # with capture: [n, W] pieces, prompt then answer
+
+    def captured(self) -> torch.Tensor:
+        """[len(prompt) + len(answer), W]: the captured layers' states of every token, in order."""
+        return torch.cat(self.states)
 
 
 @torch.inference_mode()
@@ -40,12 +51,15 @@ def sample_in_slots(
     slots: int,
     sampling: SamplingConfig,
     max_len: int = 1024,
+    capture: list[int] | None = None,
 ) -> int:
     """Answer jobs until next_job() has none left and every row is done; returns the decode steps run.
 
     next_job: the next waiting job or None (called whenever a row is free, so it may hand out jobs
     that on_done queued). on_done(job): called once per job, its answer complete (EOS included,
     or `budget` tokens). The cache starts at max_len positions per row and grows if a job needs more.
+    capture: decoder layers whose states each job collects in job.states (the target dtype, the layers side by
+    side, as the native forward's feature_layers gives them), complete when on_done sees the job.
     """
     native, dev = target.native, target.device
     eos = set(target.eos_ids)
@@ -63,7 +77,7 @@ def sample_in_slots(
                 elif job.budget < 1:
                     on_done(job)  # nothing to write (no room left in the context); may queue more
                 else:
-                    _prefill(native, cache, r, job, logits, dev)
+                    _prefill(native, cache, r, job, logits, dev, capture)
                     jobs[r] = job
                     gens[r] = torch.Generator(device=dev).manual_seed(job.seed)
         busy = [r for r, job in enumerate(jobs) if job is not None]
@@ -75,31 +89,47 @@ def sample_in_slots(
             logits = logits[busy]
             jobs, gens = [jobs[r] for r in busy], [gens[r] for r in busy]
             busy = list(range(len(jobs)))
-        picks = [0] * len(jobs)
+        picks, closing = [0] * len(jobs), []
         for r, t in zip(busy, sample_rows(logits[busy], sampling, [gens[r] for r in busy])):
             job = jobs[r]
             job.answer.append(t)
+            picks[r] = t
             if t in eos or len(job.answer) >= job.budget:
-                on_done(job)
-                exhausted = False  # on_done may have queued the conversation's next turn: ask again
-                jobs[r] = gens[r] = None
-                cache.set_length(r, 0)
-            else:
-                picks[r] = t
+                closing.append(r)
+        if not capture:  # a finished row leaves now; with capture, after one more step computes its last token
+            _close(closing, jobs, gens, cache, on_done)
+            exhausted = exhausted and not closing  # on_done may have queued a conversation's next turn
         going = [int(job is not None) for job in jobs]
         if not any(going):
             continue  # every row ended at once: refill before running anything
         cache.ensure(max(cache.lengths) + 1)
-        out, _ = native(torch.tensor(picks, device=dev)[:, None], cache, num_new=going, logits="last")  # [R, V]
+        ids = torch.tensor(picks, device=dev)[:, None]
+        out, states = native(ids, cache, num_new=going, logits="last", feature_layers=capture)  # [R, V], [R, 1, W]
         logits = out
         steps += 1
+        if capture:
+            for r, job in enumerate(jobs):
+                if job is not None:
+                    job.states.append(states[r].clone())
+            _close(closing, jobs, gens, cache, on_done)
+            exhausted = exhausted and not closing
 
 
-def _prefill(native, cache, r: int, job: AnswerJob, logits: torch.Tensor, dev) -> None:
+def _close(rows: list[int], jobs: list, gens: list, cache, on_done) -> None:
+    """Hand the jobs of these rows to on_done and free the rows."""
+    for r in rows:
+        on_done(jobs[r])
+        jobs[r] = gens[r] = None
+        cache.set_length(r, 0)
+
+
+def _prefill(native, cache, r: int, job: AnswerJob, logits: torch.Tensor, dev, capture=None) -> None:
     """Run job.prompt into cache row r (emptied first); its last-token logits land in logits[r]."""
     cache.ensure(len(job.prompt) + job.budget + 1)  # before taking the row view: a view cannot grow
     cache.set_length(r, 0)
     row = cache.row(r)
-    out, _ = native(torch.tensor([job.prompt], device=dev), row, logits="last")  # [1, V]
+    out, states = native(torch.tensor([job.prompt], device=dev), row, logits="last", feature_layers=capture)  # [1, V]
     cache.sync(row, r)
     logits[r] = out[0]
+    if capture:
+        job.states = [states[0]]  # [len(prompt), W]

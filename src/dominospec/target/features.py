@@ -7,9 +7,17 @@ never used: transformers replaces its entry with the post-final-norm state.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
+
+import torch
 
 from ..errors import DominoError
+from ..io import atomic_path
+from ..log import log_once
 
 
 def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
@@ -50,3 +58,56 @@ def parse_layer_ids(text: str, num_layers: int) -> list[int]:
     except ValueError:
         raise DominoError(f"--layer-ids {text!r}: expected comma-separated integers, e.g. 1,8,14") from None
     return check_layer_ids(ids, num_layers)
+
+
+class FeatureCache:
+    """Target features of whole sequences, one fp16 safetensors file per sequence, in a directory.
+
+    A file holds "features" [S, n*H] (the feature layers side by side, as `sequence_features` gives
+    them) and, where it was stored, "final" [S, H] (the post-norm final hidden state the LM head reads).
+    Files are keyed by content: the target (its weights' fingerprint, and dtype), the layers and the
+    token ids, so another target, layer choice or sample never reads another's rows, and the trainer
+    and prepare-data (which fills the cache while generating) share one directory. Writes are atomic
+    with pid-named temporaries: processes may share a cache.
+    """
+
+    def __init__(self, root: str | os.PathLike, target):
+        self.root = Path(root)
+        self.target = target
+
+    def path(self, layer_ids: Sequence[int], input_ids: Sequence[int]) -> Path:
+        t = self.target
+        identity = [getattr(t, "fingerprint", getattr(t, "name", None)), str(t.dtype)]
+        key = json.dumps([identity, [int(i) for i in layer_ids], [int(i) for i in input_ids]])
+        return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+
+    def read(self, layer_ids: Sequence[int], input_ids: Sequence[int], device=None):
+        """(features, final or None) in the target's dtype, or None; a damaged or mis-shaped file is removed."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        p = self.path(layer_ids, input_ids)
+        if not p.exists():
+            return None
+        try:
+            t = load_file(str(p), device=str(device or self.target.device))
+            feats, final = t["features"], t.get("final")
+        except (SafetensorError, OSError, ValueError, KeyError, RuntimeError):
+            feats = final = None
+        rows, width = len(input_ids), len(layer_ids) * self.target.hidden_size
+        if feats is None or tuple(feats.shape) != (rows, width) or (final is not None and final.shape[0] != rows):
+            log_once(f"feature cache: {p} is damaged (a write cut short?); remaking it")
+            p.unlink(missing_ok=True)
+            return None
+        dt = self.target.dtype
+        return feats.to(dt), (final.to(dt) if final is not None else None)
+
+    def write(self, layer_ids: Sequence[int], input_ids: Sequence[int], features, final=None) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {"features": features.to(torch.float16).cpu().contiguous()}
+        if final is not None:
+            tensors["final"] = final.to(torch.float16).cpu().contiguous()
+        self.root.mkdir(parents=True, exist_ok=True)
+        with atomic_path(self.path(layer_ids, input_ids)) as tmp:
+            save_file(tensors, str(tmp))

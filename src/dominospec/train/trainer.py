@@ -17,7 +17,6 @@ exported, with its acceptance.json.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -36,8 +35,8 @@ import torch.nn.functional as F
 from ..drafter import Drafter
 from ..drafter.checkpoint import ACCEPTANCE_NAME, CONFIG_NAME, check_state, read_checkpoint, save_checkpoint
 from ..errors import DominoError, flag
-from ..io import atomic_path, ensure_writable_dir, exclusive_lock, write_json_atomic, write_lines_atomic
-from ..log import log_once
+from ..io import ensure_writable_dir, exclusive_lock, write_json_atomic, write_lines_atomic
+from ..target.features import FeatureCache
 from .blocks import (
     IGNORE,
     dense_or_sampled_anchors,
@@ -176,7 +175,7 @@ class Trainer:
     ):
         self.target, self.drafter, self.samples, self.out, self.cfg = target, drafter, samples, Path(out), cfg
         self.dist = dist or Dist()
-        self.feature_cache = Path(feature_cache) if feature_cache else None
+        self.feature_cache = FeatureCache(feature_cache, target) if feature_cache else None
         self.progress = progress and self.dist.main
         self.save_dtype = save_dtype
         self.validator, self.best, self.last_val = validator, BestSoFar(), None
@@ -246,43 +245,14 @@ class Trainer:
         return [result[i] for i in idx]
 
     def _cache_path(self, i: int) -> Path:
-        # keyed by content, not by index: another validation split, data set or target (by its weights'
-        # fingerprint, and dtype) never reads another sample's rows
-        target = self.target
-        identity = [getattr(target, "fingerprint", getattr(target, "name", None)), str(target.dtype)]
-        key = json.dumps([identity, self.drafter.config.target_layer_ids, self.samples[i]["input_ids"]])
-        return self.feature_cache / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+        return self.feature_cache.path(self.drafter.config.target_layer_ids, self.samples[i]["input_ids"])
 
     def _cache_read(self, i: int):
-        """The cached features of sample i, or None; a damaged or mis-shaped file is removed and remade."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        p = self._cache_path(i)
-        if not p.exists():
-            return None
-        try:
-            t = load_file(str(p), device=str(self.device))
-            feats, final = t["features"], t.get("final")
-        except (SafetensorError, OSError, ValueError, KeyError, RuntimeError):
-            feats = final = None
-        rows = len(self.samples[i]["input_ids"])
-        width = len(self.drafter.config.target_layer_ids) * self.target.hidden_size
-        if feats is None or tuple(feats.shape) != (rows, width) or (final is not None and final.shape[0] != rows):
-            log_once(f"feature cache: {p} is damaged (a write cut short?); remaking it")
-            p.unlink(missing_ok=True)
-            return None
-        dt = self.target.dtype
-        return feats.to(dt), (final.to(dt) if final is not None else None)
+        """The cached features of sample i, or None (FeatureCache: keyed by content, damaged files remade)."""
+        return self.feature_cache.read(self.drafter.config.target_layer_ids, self.samples[i]["input_ids"], self.device)
 
     def _cache_write(self, i: int, item) -> None:
-        from safetensors.torch import save_file
-
-        tensors = {"features": item[0].to(torch.float16).cpu().contiguous()}
-        if item[1] is not None:
-            tensors["final"] = item[1].to(torch.float16).cpu().contiguous()
-        with atomic_path(self._cache_path(i)) as tmp:  # runs may share one cache: pid-named temporaries
-            save_file(tensors, str(tmp))
+        self.feature_cache.write(self.drafter.config.target_layer_ids, self.samples[i]["input_ids"], *item)
 
     @contextmanager
     def _part(self, name: str):
