@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,53 @@ def test_training_subset_takes_a_prefix_of_one_labels_kind():
         training_subset(samples[-1:], "off-policy", None, "D", 0)
     with pytest.raises(DominoError, match="--train-labels must be one of"):
         TrainJob(data="D", out="O", train_labels="mixed")
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_on_a_grown_data_set_trains_on_every_sample_and_survives_another_kill(tmp_path, llama_target):
+    """Data grown from 6 to 10 samples after step 3: the run resumes its optimizer and step, the next epoch
+    draws all 10, what is left of --epochs counts over 10; killed again and resumed, it ends identically."""
+    samples = synthetic_samples(llama_target, n=10, answer_len=12)
+    cfg = TrainConfig(batch_size=2, epochs=2, save_every=1, anchors=4)
+
+    def trainer(out, data):
+        return Trainer(llama_target, tiny_drafter(llama_target), data, out, cfg, progress=False)
+
+    def kill_at(step):
+        def on_step(s):
+            if s == step:
+                raise Killed
+
+        return on_step
+
+    first = trainer(tmp_path / "a", samples[:6])
+    with pytest.raises(Killed):
+        first.fit(kill_at(3))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+
+    grown = trainer(tmp_path / "a", samples)
+    assert grown.load_checkpoint() and grown.step == 3
+    assert grown.phases == [(0, 6, 0), (3, 10, 1)]
+    assert grown.total == 3 + 5  # 1 of 2 epochs done over 6 samples; the other over 10, 2 per step
+    assert sorted(i for step in range(3, 8) for i in grown.batch_indices(step)) == list(range(10))
+    assert all(i < 6 for step in range(3) for i in grown.batch_indices(step))  # the steps already run: unchanged
+    grown.fit()
+
+    again = trainer(tmp_path / "b", samples)
+    assert again.load_checkpoint()
+    with pytest.raises(Killed):
+        again.fit(kill_at(5))
+    last = trainer(tmp_path / "b", samples)
+    assert last.load_checkpoint() and last.step == 5 and last.phases == grown.phases and last.total == 8
+    last.fit()
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    changed = [dict(samples[0], input_ids=samples[0]["input_ids"][::-1])] + samples[1:]
+    with pytest.raises(DominoError, match="grown data set resumes only where its first samples are unchanged"):
+        trainer(tmp_path / "b", changed + samples[:1]).load_checkpoint()  # grown, but not from the same start
+    with pytest.raises(DominoError, match="the first 10 training samples differ"):
+        trainer(tmp_path / "b", changed).load_checkpoint()

@@ -191,7 +191,12 @@ def add_parser(sub) -> None:
         help="dtype of the exported drafter weights (default %(default)s)",
     )
     p.add_argument("--feature-cache", default=None, help="cache target features here (fp16) for multi-epoch runs")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the checkpoint in --out; on a data set grown since (prepare-data --extend: its first "
+        "samples unchanged) the new samples join from the next epoch, and the rest of --epochs counts over all",
+    )
     p.add_argument(
         "--val-fraction",
         type=float,

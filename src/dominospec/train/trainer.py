@@ -17,6 +17,7 @@ exported, with its acceptance.json.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from ..drafter import Drafter
 from ..drafter.checkpoint import ACCEPTANCE_NAME, CONFIG_NAME, check_state, read_checkpoint, save_checkpoint
 from ..errors import DominoError, flag
 from ..io import ensure_writable_dir, exclusive_lock, write_json_atomic, write_lines_atomic
+from ..log import log
 from ..target.features import FeatureCache
 from .blocks import (
     IGNORE,
@@ -158,6 +160,14 @@ def keep_large_blocks_on_the_heap() -> bool:
 PACKED_BLOCKS = 128  # blocks per packed forward: large ops, yet the [N*B, V'] logits stay near the caches
 
 
+def samples_fingerprint(samples: list[dict]) -> str:
+    """What a checkpoint was trained on, in order: a resumed run may add samples after these, never change them."""
+    h = hashlib.sha256()
+    for sample in samples:
+        h.update(json.dumps([sample.get("id"), sample["input_ids"], sample["loss_mask"]]).encode())
+    return h.hexdigest()
+
+
 class Trainer:
     def __init__(
         self,
@@ -185,6 +195,8 @@ class Trainer:
         self.weights = cfg.position_weights(self.block).to(self.device)
         self.steps_per_epoch = max(1, math.ceil(len(samples) / cfg.batch_size))
         self.total = cfg.max_steps or max(1, math.ceil(cfg.epochs * self.steps_per_epoch))
+        # phases of the data: (first step, samples, first epoch); a resumed run on a grown data set adds one
+        self.phases: list[tuple[int, int, int]] = [(0, len(samples), 0)]
         drafter.float().train()
         drafter.to(self.device)
         self.params = [p for p in drafter.parameters() if p.requires_grad]
@@ -211,9 +223,15 @@ class Trainer:
         self.step = 0
 
     # ----- data order: a pure function of (seed, epoch), so a resumed run sees the same batches -----
+    def epoch_of(self, step: int) -> tuple[int, int, int]:
+        """(epoch, step within it, samples in play) of a step: its data phase's first n samples."""
+        start, n, first_epoch = next(p for p in reversed(self.phases) if p[0] <= step)
+        epoch, within = divmod(step - start, max(1, math.ceil(n / self.cfg.batch_size)))
+        return first_epoch + epoch, within, n
+
     def batch_indices(self, step: int) -> list[int]:
-        epoch, within = divmod(step, self.steps_per_epoch)
-        order = list(range(len(self.samples)))
+        epoch, within, n = self.epoch_of(step)
+        order = list(range(n))
         random.Random(self.cfg.seed * 1000003 + epoch).shuffle(order)
         chosen = order[within * self.cfg.batch_size : (within + 1) * self.cfg.batch_size]
         return chosen[self.dist.rank :: self.dist.world]
@@ -342,7 +360,7 @@ class Trainer:
         PACKED_BLOCKS blocks, a sequence's blocks split where they exceed it), one backward each."""
         cfg = self.cfg
         idx = self.batch_indices(self.step)
-        epoch = self.step // self.steps_per_epoch
+        epoch = self.epoch_of(self.step)[0]
         lam = cfg.curriculum_lambda(self.step, self.total) if self.head.uses_curriculum else 0.0
         with self._part("data"):
             pieces = []  # (sample index, (anchors [n], tokens [n, B], labels [n, B])), n <= PACKED_BLOCKS
@@ -566,6 +584,8 @@ class Trainer:
                 "step": self.step,
                 "train_config": asdict(self.cfg),
                 "num_samples": len(self.samples),
+                "samples_sha256": samples_fingerprint(self.samples),
+                "phases": self.phases,
                 "torch_rng": torch.get_rng_state(),
                 "best": self.best.state_dict(),
             },
@@ -590,8 +610,18 @@ class Trainer:
         st = torch.load(d / "trainer.pt", map_location=self.device, weights_only=False)
         config, state, w_path = read_checkpoint(d / "drafter")
         changed = []
-        if st["num_samples"] != len(self.samples):
-            changed.append(f"--data: {len(self.samples)} samples now, {st['num_samples']} in the checkpoint")
+        phases = [tuple(p) for p in st.get("phases", [(0, st["num_samples"], 0)])]
+        had = st["num_samples"]
+        grown = len(self.samples) > had and st.get("samples_sha256") == samples_fingerprint(self.samples[:had])
+        if len(self.samples) != had and not grown:
+            why = (
+                ""
+                if len(self.samples) < had
+                else " (a grown data set resumes only where its first samples are unchanged)"
+            )
+            changed.append(f"--data: {len(self.samples)} samples now, {had} in the checkpoint{why}")
+        elif st.get("samples_sha256") not in (None, samples_fingerprint(self.samples[:had])):
+            changed.append(f"--data: the first {had} training samples differ from the checkpoint's")
         stored = st["train_config"]
         for key, now in asdict(self.cfg).items():
             was = stored.get(key, TrainConfig.BEFORE_FIELD.get(key))
@@ -615,7 +645,38 @@ class Trainer:
         self.step = st["step"]
         torch.set_rng_state(st["torch_rng"].cpu())
         self.best.load_state_dict(st.get("best"))
+        self.phases = phases
+        if grown:
+            self.grow(had)
+        else:
+            self._set_total()
         return True
+
+    def grow(self, had: int) -> None:
+        """Continue on a data set grown from `had` samples: from this step on, each epoch draws all of
+        them (a new epoch starts here), and what is left of --epochs is counted over the grown set."""
+        start, n, first = self.phases[-1]
+        spe = max(1, math.ceil(n / self.cfg.batch_size))
+        done = first + (self.step - start) / spe  # epochs trained so far, a fraction where one was cut
+        self.phases.append((self.step, len(self.samples), first + math.ceil((self.step - start) / spe)))
+        self._set_total(done)
+        log(
+            f"resuming on a grown data set: {had} -> {len(self.samples)} training samples from step {self.step} "
+            f"({done:.2f} epochs done); {self.total} steps in all"
+        )
+
+    def _set_total(self, epochs_done: float | None = None) -> None:
+        """The run's length from its phases: --max-steps, or --epochs with the last phase's epoch size."""
+        if self.cfg.max_steps:
+            return
+        start, n, first = self.phases[-1]
+        if len(self.phases) == 1:
+            return
+        spe = max(1, math.ceil(n / self.cfg.batch_size))
+        if epochs_done is None:  # a resume after the growth: the epochs done when it happened
+            prev_start, prev_n, prev_first = self.phases[-2]
+            epochs_done = prev_first + (start - prev_start) / max(1, math.ceil(prev_n / self.cfg.batch_size))
+        self.total = max(start + 1, start + math.ceil((self.cfg.epochs - epochs_done) * spe))
 
     # ----- the loop -----
     def fit(self, on_step: Callable[[int], None] | None = None) -> dict:
