@@ -8,7 +8,10 @@ judged again here on one held-out set, the validation split of --data (its on-po
 whose id hash falls below --val-fraction, the split train uses), walked the way greedy decoding walks
 an answer (`--val-walk`), so runs trained while the data set was smaller stay comparable. Reported per
 run: training samples, epochs, the best step, validation tau and the first draft's acceptance there,
-and the run's training CPU-hours (from metrics.jsonl, where it was recorded).
+and the run's training CPU-hours (from metrics.jsonl, where it was recorded). With --eval-like, each
+drafter is also judged on the target's greedy answers to held-out prompts of the benchmark's own kinds
+(the prompts/eval-*.jsonl lines after the first --bench-limit, which `bench --limit 3` decodes): the
+validation that predicts `bench` (scripts/val_gap.py --eval-like).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from pathlib import Path
 
 import torch
 
+from dominospec.bench.runner import load_prompt_sets
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.drafter import Drafter
 from dominospec.target import Target
-from dominospec.train.validate import Validator, split_validation
+from dominospec.train.validate import Validator, greedy_answer_samples, split_validation
 
 
 def run_facts(run: Path) -> dict:
@@ -54,22 +58,33 @@ def main() -> None:
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--json", type=Path, default=None, help="write the table here")
     ap.add_argument("--plot", type=Path, default=None, help="draw tau and first-draft acceptance against samples")
+    ap.add_argument("--eval-like", action="store_true", help="also judge on held-out eval-like prompts (above)")
+    ap.add_argument("--bench-limit", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=96, help="greedy answer length of the eval-like prompts")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = Target.load("smollm2-135m", device="cpu", dtype="float32")
     _, val = split_validation(load_dataset_dir(args.data, target=target)[1], args.val_fraction)
     validator = Validator(target, val, walk=True)
+    like = None
+    if args.eval_like:
+        sets = load_prompt_sets(sorted(str(p) for p in Path("prompts").glob("eval-*.jsonl")), target)
+        held = [p for prompts in sets.values() for p in prompts[args.bench_limit :]]
+        like = Validator(target, greedy_answer_samples(target, held, args.new_tokens, "eval-like"), walk=True)
     rows = []
     for run in args.runs:
         row = run_facts(run)
         drafter = Drafter.from_pretrained(run, target=target).float()
         result = validator.evaluate(drafter)
         row.update(val_tau=round(result.tau, 4), p1=round(result.conditional[0] or 0.0, 4), val_blocks=result.blocks)
+        if like:
+            r = like.evaluate(drafter)
+            row.update(eval_like_tau=round(r.tau, 4), eval_like_p1=round(r.conditional[0] or 0.0, 4))
         rows.append(row)
         print(
             f"{row['run']:<24} samples {row['samples']:>5}  epochs {row['epochs']:>5}  best step {row['best_step']}  "
             f"tau {row['val_tau']:.3f}  p1 {row['p1']:.3f}  (at training: {row['train_val_tau']})  "
-            f"train CPU-h {row['train_cpu_h']}"
+            f"train CPU-h {row['train_cpu_h']}" + (f"  eval-like tau {row['eval_like_tau']:.3f}" if like else "")
         )
     table = {"data": args.data, "held_out": len(val), "walk": True, "runs": rows}
     if args.json:
@@ -85,19 +100,21 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
-    for bf16 in (True, False):
-        pts = sorted((r["samples"], r["val_tau"], r["p1"]) for r in rows if r["bf16"] == bf16)
-        if not pts:
-            continue
-        label = "bf16 autocast" if bf16 else "fp32"
-        a.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
-        b.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=label)
-    for ax, name in ((a, "validation tau (walked, greedy)"), (b, "first-draft acceptance")):
+    series = [("val", "held-out training conversations"), ("eval_like", "held-out eval-like prompts (predicts bench)")]
+    for key, label in series:
+        tau, p1 = ("val_tau", "p1") if key == "val" else ("eval_like_tau", "eval_like_p1")
+        for bf16, style in ((True, "o-"), (False, "s")):
+            pts = sorted((r["samples"], r[tau], r[p1]) for r in rows if r["bf16"] == bf16 and tau in r)
+            if pts:
+                name = label if bf16 else f"{label}, fp32"
+                a.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
+                b.plot([p[0] for p in pts], [p[2] for p in pts], style, label=name)
+    for ax, name in ((a, "tau (walked, greedy; block 8)"), (b, "first-draft acceptance")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("on-policy training conversations")
         ax.set_title(name)
         ax.grid(alpha=0.3)
-        ax.legend()
+    a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -65,6 +65,22 @@ def split_validation(samples: list[dict], fraction: float) -> tuple[list[dict], 
     return train, val
 
 
+def greedy_answer_samples(target, prompts: list[list[int]], max_new_tokens: int, name: str = "p") -> list[dict]:
+    """Validation samples that read like a benchmark: each prompt with the target's own greedy answer.
+
+    Walked validation (`Validator(walk=True)`) on these is what greedy speculative decoding of the
+    prompts measures (scripts/val_gap.py: within 1.5% of `bench` on prompts drawn like its sets).
+    """
+    from ..decode.single import generate_autoregressive
+
+    out = []
+    for k, prompt in enumerate(prompts):
+        answer = generate_autoregressive(target, prompt, max_new_tokens, eos_ids=target.eos_ids).tokens
+        ids, mask = list(prompt) + list(answer), [0] * len(prompt) + [1] * len(answer)
+        out.append({"id": f"{name}:{k}", "input_ids": ids, "loss_mask": mask})
+    return out
+
+
 def shared_sequences(train: list[dict], val: list[dict]) -> int:
     """How many validation samples are token for token a training sample (a separate --val-data may overlap)."""
     seen = {tuple(s["input_ids"]) for s in train}
