@@ -241,8 +241,12 @@ def test_training_subset_takes_a_prefix_of_one_labels_kind():
         training_subset(samples, "on-policy", 10, "D", 5)
     with pytest.raises(DominoError, match="--train-labels off-policy: D holds no such"):
         training_subset(samples[-1:], "off-policy", None, "D", 0)
+    mix = training_subset(samples, "all", (2, 1), "D", 0)  # the first 2 on-policy and the first off-policy one
+    assert [s["id"] for s in mix] == ["a:0", "a:1", "a:2"]
     with pytest.raises(DominoError, match="--train-labels must be one of"):
         TrainJob(data="D", out="O", train_labels="mixed")
+    with pytest.raises(DominoError, match="N,M counts on- and off-policy samples"):
+        TrainJob(data="D", out="O", train_labels="on-policy", train_samples=(2, 1))
 
 
 class Killed(Exception):

@@ -77,6 +77,17 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _samples_spec(text: str):
+    """--train-samples N or N,M."""
+    try:
+        parts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,M (integers), got {text!r}") from None
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"expected N or N,M, got {text!r}")
+    return parts if len(parts) == 2 else parts[0]
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -213,11 +224,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--train-samples",
-        type=int,
+        type=_samples_spec,
         default=None,
-        metavar="N",
+        metavar="N[,M]",
         help="train on the first N training samples only (data set order, after the validation split and "
-        "--train-labels): the points of a scaling curve, all judged on the same held-out conversations",
+        "--train-labels): the points of a scaling curve, all judged on the same held-out conversations; "
+        "N,M: the first N on-policy and the first M off-policy samples (a mix of the two)",
     )
     p.add_argument(
         "--val-data", default=None, help="validate on this prepare-data directory instead of holding out part of --data"

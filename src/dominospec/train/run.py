@@ -40,7 +40,8 @@ class TrainJob:
     init_from_layer: int | None = None  # a fresh drafter's layers start from the target's layers J, J+1, ...
     val_data: str | Path | None = None  # validate on this directory instead of a held-out part of `data`
     val_fraction: float = 0.05  # conversations held out for validation, by id hash
-    train_samples: int | None = None  # train on the first N training samples only (after the split): scaling curves
+    # train on the first N training samples only (after the split), or (N, M): the first N on-policy and M off-policy
+    train_samples: int | tuple[int, int] | None = None
     train_labels: str = "all"  # train on these samples only: all, on-policy, off-policy (validation is unchanged)
     feature_cache: str | Path | None = None  # target features cached here (fp16) for multi-epoch runs
     resume: bool = False  # continue from the checkpoint in `out`
@@ -54,7 +55,9 @@ class TrainJob:
             raise DominoError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.train_labels not in TRAIN_LABELS:
             raise DominoError(f"--train-labels must be one of {', '.join(TRAIN_LABELS)}, got {self.train_labels!r}")
-        if self.train_samples is not None and self.train_samples < 1:
+        if isinstance(self.train_samples, tuple) and self.train_labels != "all":
+            raise DominoError("--train-samples N,M counts on- and off-policy samples: it needs --train-labels all")
+        if self.train_samples is not None and min(_as_tuple(self.train_samples)) < 1:
             raise DominoError(f"--train-samples must be at least 1, got {self.train_samples}")
         if self.init and self.init_from_layer is not None:
             raise DominoError("--init-from-layer starts a fresh drafter; it cannot be combined with --init")
@@ -70,9 +73,19 @@ class TrainJob:
         return out, cache
 
 
-def training_subset(samples: list[dict], labels: str, n: int | None, where: str, held_out: int) -> list[dict]:
+def _as_tuple(n) -> tuple:
+    return n if isinstance(n, tuple) else (n,)
+
+
+def training_subset(samples: list[dict], labels: str, n, where: str, held_out: int) -> list[dict]:
     """The training samples of one labels kind (`all`, `on-policy`, `off-policy`), the first `n` in data set
-    order: the points of a scaling curve are prefixes of one another, judged on the same held-out set."""
+    order: the points of a scaling curve are prefixes of one another, judged on the same held-out set.
+    n = (N, M): the first N on-policy and the first M off-policy samples, in data set order (a mix)."""
+    if isinstance(n, tuple):
+        on = training_subset(samples, "on-policy", n[0], where, held_out)
+        off = training_subset(samples, "off-policy", n[1], where, held_out)
+        chosen = {id(s) for s in on + off}
+        return [s for s in samples if id(s) in chosen]
     if labels != "all":
         on = labels == "on-policy"
         samples = [s for s in samples if (s.get("labels", "on-policy") == "on-policy") == on]
