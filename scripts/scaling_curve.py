@@ -30,7 +30,10 @@ from dominospec.train.validate import Validator, greedy_answer_samples, split_va
 
 
 def run_facts(run: Path) -> dict:
-    """Samples, steps and CPU time of a finished training run, from its own files."""
+    """Samples, steps and CPU time of a finished training run, from its own files (a drafter directory
+    without them, such as the shipped one, gives its name only)."""
+    if not (run / "train_state" / "trainer.pt").exists():
+        return {"run": run.name, "samples": None, "bf16": None}
     state = torch.load(run / "train_state" / "trainer.pt", map_location="cpu", weights_only=False)
     cfg = state["train_config"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
@@ -53,7 +56,8 @@ def run_facts(run: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="train --out directories")
+    ap.add_argument("runs", nargs="+", type=Path, help="train --out directories: the curve's points")
+    ap.add_argument("--also", nargs="*", type=Path, default=[], help="more drafters for the table, not the curve")
     ap.add_argument("--data", default="data/smollm2-135m", help="the data set whose held-out split judges all runs")
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--json", type=Path, default=None, help="write the table here")
@@ -72,8 +76,8 @@ def main() -> None:
         held = [p for prompts in sets.values() for p in prompts[args.bench_limit :]]
         like = Validator(target, greedy_answer_samples(target, held, args.new_tokens, "eval-like"), walk=True)
     rows = []
-    for run in args.runs:
-        row = run_facts(run)
+    for run in args.runs + args.also:
+        row = run_facts(run) | {"curve": run in args.runs}
         drafter = Drafter.from_pretrained(run, target=target).float()
         result = validator.evaluate(drafter)
         row.update(val_tau=round(result.tau, 4), p1=round(result.conditional[0] or 0.0, 4), val_blocks=result.blocks)
@@ -82,9 +86,9 @@ def main() -> None:
             row.update(eval_like_tau=round(r.tau, 4), eval_like_p1=round(r.conditional[0] or 0.0, 4))
         rows.append(row)
         print(
-            f"{row['run']:<24} samples {row['samples']:>5}  epochs {row['epochs']:>5}  best step {row['best_step']}  "
-            f"tau {row['val_tau']:.3f}  p1 {row['p1']:.3f}  (at training: {row['train_val_tau']})  "
-            f"train CPU-h {row['train_cpu_h']}" + (f"  eval-like tau {row['eval_like_tau']:.3f}" if like else "")
+            f"{row['run']:<24} samples {row['samples']}  epochs {row.get('epochs')}  best step {row.get('best_step')}  "
+            f"tau {row['val_tau']:.3f}  p1 {row['p1']:.3f}  (at training: {row.get('train_val_tau')})  "
+            f"train CPU-h {row.get('train_cpu_h')}" + (f"  eval-like tau {row['eval_like_tau']:.3f}" if like else "")
         )
     table = {"data": args.data, "held_out": len(val), "walk": True, "runs": rows}
     if args.json:
@@ -104,7 +108,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for key, label in series:
         tau, p1 = ("val_tau", "p1") if key == "val" else ("eval_like_tau", "eval_like_p1")
         for bf16, style in ((True, "o-"), (False, "s")):
-            pts = sorted((r["samples"], r[tau], r[p1]) for r in rows if r["bf16"] == bf16 and tau in r)
+            pts = sorted((r["samples"], r[tau], r[p1]) for r in rows if r["curve"] and r["bf16"] is bf16 and tau in r)
             if pts:
                 name = label if bf16 else f"{label}, fp32"
                 a.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
