@@ -29,6 +29,23 @@ from dominospec.target import Target
 from dominospec.train.validate import Validator, greedy_answer_samples, split_validation
 
 
+def remember_features(target) -> None:
+    """Every drafter here reads the same target layers of the same samples: one feature pass serves all."""
+    compute, memo = target.sequence_features, {}
+
+    def sequence_features(seqs, layer_ids=None):
+        key = tuple(layer_ids or target.layer_ids)
+        todo = [list(s) for s in seqs if (key, tuple(s)) not in memo]
+        if todo:
+            feats, finals = compute(todo, list(key))
+            for s, f, g in zip(todo, feats, finals):
+                memo[key, tuple(s)] = (f, g)
+        got = [memo[key, tuple(s)] for s in seqs]
+        return [f for f, _ in got], [g for _, g in got]
+
+    target.sequence_features = sequence_features
+
+
 def run_facts(run: Path) -> dict:
     """Samples, steps and CPU time of a finished training run, from its own files (a drafter directory
     without them, such as the shipped one, gives its name only)."""
@@ -68,6 +85,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = Target.load("smollm2-135m", device="cpu", dtype="float32")
+    remember_features(target)
     _, val = split_validation(load_dataset_dir(args.data, target=target)[1], args.val_fraction)
     validator = Validator(target, val, walk=True)
     like = None
@@ -90,11 +108,24 @@ def main() -> None:
             f"tau {row['val_tau']:.3f}  p1 {row['p1']:.3f}  (at training: {row.get('train_val_tau')})  "
             f"train CPU-h {row.get('train_cpu_h')}" + (f"  eval-like tau {row['eval_like_tau']:.3f}" if like else "")
         )
+    print(markdown(rows))
     table = {"data": args.data, "held_out": len(val), "walk": True, "runs": rows}
     if args.json:
         args.json.write_text(json.dumps(table, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table as docs/scaling.md shows it."""
+    head = "| drafter | training samples | epochs | best step | train CPU-h | tau | p1 | eval-like tau | eval-like p1 |"
+    out = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        cells = [r["run"], r.get("samples"), r.get("epochs"), r.get("best_step"), r.get("train_cpu_h")]
+        cells += [f"{r['val_tau']:.3f}", f"{r['p1']:.3f}"]
+        cells += [f"{r['eval_like_tau']:.3f}", f"{r['eval_like_p1']:.3f}"] if "eval_like_tau" in r else ["-", "-"]
+        out.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(out)
 
 
 def plot(rows: list[dict], path: Path) -> None:
