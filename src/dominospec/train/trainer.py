@@ -17,6 +17,7 @@ exported, with its acceptance.json.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -223,6 +224,11 @@ class Trainer:
         self.step = 0
 
     # ----- data order: a pure function of (seed, epoch), so a resumed run sees the same batches -----
+    @functools.cached_property
+    def samples_sha256(self) -> str:
+        """The training samples' fingerprint, once: every checkpoint records it."""
+        return samples_fingerprint(self.samples)
+
     def epoch_of(self, step: int) -> tuple[int, int, int]:
         """(epoch, step within it, samples in play) of a step: its data phase's first n samples."""
         start, n, first_epoch = next(p for p in reversed(self.phases) if p[0] <= step)
@@ -584,7 +590,7 @@ class Trainer:
                 "step": self.step,
                 "train_config": asdict(self.cfg),
                 "num_samples": len(self.samples),
-                "samples_sha256": samples_fingerprint(self.samples),
+                "samples_sha256": self.samples_sha256,
                 "phases": self.phases,
                 "torch_rng": torch.get_rng_state(),
                 "best": self.best.state_dict(),
@@ -612,7 +618,11 @@ class Trainer:
         changed = []
         phases = [tuple(p) for p in st.get("phases", [(0, st["num_samples"], 0)])]
         had = st["num_samples"]
-        grown = len(self.samples) > had and st.get("samples_sha256") == samples_fingerprint(self.samples[:had])
+        stored_sha = st.get("samples_sha256")  # None: a checkpoint written before fingerprints
+        same_start = stored_sha is None or stored_sha == (
+            self.samples_sha256 if had == len(self.samples) else samples_fingerprint(self.samples[:had])
+        )
+        grown = len(self.samples) > had and stored_sha is not None and same_start
         if len(self.samples) != had and not grown:
             why = (
                 ""
@@ -620,7 +630,7 @@ class Trainer:
                 else " (a grown data set resumes only where its first samples are unchanged)"
             )
             changed.append(f"--data: {len(self.samples)} samples now, {had} in the checkpoint{why}")
-        elif st.get("samples_sha256") not in (None, samples_fingerprint(self.samples[:had])):
+        elif not same_start:
             changed.append(f"--data: the first {had} training samples differ from the checkpoint's")
         stored = st["train_config"]
         for key, now in asdict(self.cfg).items():
