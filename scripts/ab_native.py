@@ -17,9 +17,9 @@ import time
 import torch
 
 from dominospec.devices import cpu_model
-from dominospec.target import kernels
-from dominospec.target.hf import Target
-from dominospec.target.native import NativeModel
+from dominospec.targets import kernels
+from dominospec.targets.hf import Target
+from dominospec.targets.native import NativeModel
 
 
 def build(hf_model, switch: str) -> NativeModel:

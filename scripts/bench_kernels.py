@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dominospec.devices import cpu_model
-from dominospec.target.kernels import PackedLinear, load_kernels
+from dominospec.targets.kernels import PackedLinear, load_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 

@@ -28,7 +28,7 @@ from dominospec import Target
 from dominospec.data.builtin import builtin_prompts
 from dominospec.data.offpolicy import label_texts, pydoc_texts
 from dominospec.data.prepare import ChatCodec, FeatureCapture, PrepareConfig, _generate_shard
-from dominospec.target.features import FeatureCache
+from dominospec.targets.features import FeatureCache
 
 p = argparse.ArgumentParser()
 p.add_argument("--target", default="smollm2-135m")

@@ -17,7 +17,7 @@ WORK=${WORK:-$(mktemp -d)}
 MASK=16
 TOKENS=64
 ds() { "$DS_PYTHON" -m dominospec.cli "$@"; }
-TARGET=$("$DS_PYTHON" -c "from dominospec.target.load import bundled_model_dir; print(bundled_model_dir('smollm2-135m'))")
+TARGET=$("$DS_PYTHON" -c "from dominospec.targets.load import bundled_model_dir; print(bundled_model_dir('smollm2-135m'))")
 echo "work dir: $WORK; target: $TARGET"
 
 SERVER_PID=""

@@ -25,7 +25,7 @@ import torch
 from dominospec.bench.runner import load_prompt_sets
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.drafter import Drafter
-from dominospec.target import Target
+from dominospec.targets import Target
 from dominospec.train.validate import Validator, greedy_answer_samples, split_validation
 
 

@@ -24,7 +24,7 @@ import torch
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.drafter import Drafter
 from dominospec.drafter.checkpoint import shipped_drafter_dir
-from dominospec.target import Target
+from dominospec.targets import Target
 from dominospec.train.samples import validate_samples
 from dominospec.train.trainer import TrainConfig, Trainer
 

@@ -29,7 +29,7 @@ from dominospec.data.dataset import load_dataset_dir
 from dominospec.decode.single import generate_speculative
 from dominospec.drafter import Drafter
 from dominospec.drafter.checkpoint import shipped_drafter_dir
-from dominospec.target import Target
+from dominospec.targets import Target
 from dominospec.train.validate import Validator, split_validation
 
 

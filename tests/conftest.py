@@ -441,7 +441,7 @@ def assert_matches_distribution(samples: list, exact: dict, min_bins: int = 15) 
 @pytest.fixture(params=["kernels-on", "kernels-off"])
 def linear_path(request, monkeypatch):
     """Runs a test once with the small-M kernel (where it builds) and once on the library GEMMs."""
-    from dominospec.target import kernels
+    from dominospec.targets import kernels
 
     monkeypatch.setenv(kernels.ENV_SWITCH, "on" if request.param == "kernels-on" else "off")
     kernels.reset_kernels()

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_drafter, tiny_target
 
 from dominospec import DominoError, Drafter, DrafterConfig, generate_speculative
-from dominospec.target import default_layer_ids
+from dominospec.targets import default_layer_ids
 
 
 @pytest.mark.parametrize(

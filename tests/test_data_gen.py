@@ -21,8 +21,8 @@ from dominospec.data.sampler import AnswerJob, sample_in_slots
 from dominospec.data.sources import load_prompts
 from dominospec.data.store import dataset_prompts, read_manifest
 from dominospec.sampling import SamplingConfig
-from dominospec.target import Target
-from dominospec.target.features import FeatureCache
+from dominospec.targets import Target
+from dominospec.targets.features import FeatureCache
 from dominospec.train.trainer import TrainConfig, Trainer
 
 REPO = Path(__file__).resolve().parents[1]

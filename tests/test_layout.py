@@ -53,7 +53,7 @@ def test_import_reader_sees_relative_and_function_level_imports():
     graph = import_graph()
     assert "dominospec.cli.common" in graph["dominospec.cli.bench"]
     assert "dominospec.cli.bench" in graph["dominospec.cli"]  # from . import bench
-    assert "dominospec.target.features" in graph["dominospec.drafter.config"]
+    assert "dominospec.targets.features" in graph["dominospec.drafter.config"]
 
 
 def test_library_code_never_imports_the_command_line():
@@ -102,9 +102,9 @@ def test_cycle_finder_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-# transformers' API moves fast, so one package absorbs it: target/. The one deliberate exception is
+# transformers' API moves fast, so one package absorbs it: targets/. The one deliberate exception is
 # integrations/, which meets users inside transformers' own generate() and must name its objects.
-TRANSFORMERS_PACKAGES = ("dominospec.target", "dominospec.integrations")
+TRANSFORMERS_PACKAGES = ("dominospec.targets", "dominospec.integrations")
 
 
 def test_only_the_target_package_imports_transformers():
@@ -129,7 +129,7 @@ def test_only_the_target_package_imports_transformers():
 # Packages on one stage are siblings and stay independent of each other (the foundation modules excepted).
 STAGES = [
     {"errors", "version", "log", "io", "devices", "sampling"},  # foundation
-    {"target"},  # the model being accelerated (the only home of transformers)
+    {"targets"},  # the model being accelerated (the only home of transformers)
     {"drafter"},  # the draft model and its checkpoints
     {"decode"},  # one speculative step: propose, verify, accept
     {"engine", "data", "export"},  # many requests at once; training data; other engines' formats
@@ -176,12 +176,12 @@ def test_imports_only_go_down_the_stages():
 
 def test_stage_check_catches_an_upward_and_a_sibling_import():
     graph = {
-        "dominospec.decode.single": {"dominospec.target.hf"},  # down: fine
-        "dominospec.target.hf": {"dominospec.decode.single"},  # up: caught
+        "dominospec.decode.single": {"dominospec.targets.hf"},  # down: fine
+        "dominospec.targets.hf": {"dominospec.decode.single"},  # up: caught
         "dominospec.train.trainer": {"dominospec.bench.runner"},  # sibling: caught
     }
     assert stage_violations(graph) == [
-        "dominospec.target.hf (stage 1) imports dominospec.decode.single (stage 3)",
+        "dominospec.targets.hf (stage 1) imports dominospec.decode.single (stage 3)",
         "dominospec.train.trainer (stage 5) imports dominospec.bench.runner (stage 5)",
     ]
 

@@ -1,11 +1,11 @@
-"""The native target forward (target/native.py) against transformers, on tiny random models built offline."""
+"""The native target forward (targets/native.py) against transformers, on tiny random models built offline."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 
-from dominospec.target.native import KVCache, Linear, NativeModel, _packing_available, native_support
+from dominospec.targets.native import KVCache, Linear, NativeModel, _packing_available, native_support
 
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 L = 4  # decoder layers of the tiny models
@@ -190,7 +190,7 @@ def test_kernel_linear_equals_f_linear_at_every_small_row_count(bias):
     """Protects: the small-M kernel computes x @ W^T + b to fp32 rounding for M = 1..17 on odd
     shapes (N not a multiple of the panel width, K odd), and a row's result does not depend on
     the other rows in the call (same bits alone and in a batch of 17)."""
-    from dominospec.target.kernels import PackedLinear, load_kernels
+    from dominospec.targets.kernels import PackedLinear, load_kernels
 
     module = load_kernels()
     if module is None:

@@ -119,7 +119,7 @@ def train_args(char_model, data, out, *extra):
 
 
 def test_text_too_long_by_characters_is_refused_without_tokenizing():
-    from dominospec.target.context import MIN_ANSWER_TOKENS, encode_if_fits
+    from dominospec.targets.context import MIN_ANSWER_TOKENS, encode_if_fits
 
     def never(text):
         raise AssertionError("a 1 MB prompt must not be tokenized")

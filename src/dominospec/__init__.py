@@ -3,7 +3,7 @@
 The data flow, one package per stage (tests/test_layout.py keeps imports one-way, bottom up):
   errors.py, version.py, log.py, io.py, devices.py, sampling.py
            the foundation: DominoError, logging, atomic files, devices, sampling and acceptance rules
-  target/  the target model (the only package that calls transformers)
+  targets/ the target model (the only package that calls transformers)
   drafter/ the drafter: parallel backbone + sequential head, checkpoints
   decode/  proposals, verification, the shared speculative step, the batch-1 loops, verify cost
   engine/  many requests at once: slots, ragged verification, DSpark's scheduler
@@ -20,7 +20,7 @@ from .decode import GenerationResult, generate_autoregressive, generate_speculat
 from .drafter import Drafter, DrafterConfig
 from .errors import DominoError
 from .sampling import SamplingConfig
-from .target import Target
+from .targets import Target
 from .version import __version__
 
 __all__ = [

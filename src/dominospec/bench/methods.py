@@ -25,7 +25,7 @@ from ..decode.schedule import DEFAULT_THRESHOLD, CostTable, VerifyPolicy, make_p
 from ..devices import synchronize
 from ..errors import DominoError
 from ..sampling import SamplingConfig
-from ..target.context import cap_new_tokens
+from ..targets.context import cap_new_tokens
 from .metrics import REFERENCE, PromptRun
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for the pld baseline

@@ -31,7 +31,7 @@ from ..errors import DominoError
 from ..io import ensure_writable_dir, write_atomic, write_json_atomic
 from ..log import log
 from ..sampling import SamplingConfig
-from ..target.context import cap_new_tokens, encode_if_fits
+from ..targets.context import cap_new_tokens, encode_if_fits
 from ..version import __version__
 from .methods import METHOD_GROUPS, Method, PromptLookupAlone, Speculative
 from .metrics import REFERENCE, PromptRun, summarize, tokens_per_second

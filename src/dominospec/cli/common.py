@@ -15,8 +15,8 @@ from ..errors import DominoError, flag
 from ..export import ENGINES, arch_for_engine
 from ..log import log, log_once
 from ..sampling import SamplingConfig, check_sampling
-from ..target import DEFAULT_TARGET, Target, parse_layer_ids
-from ..target.hf import BACKENDS
+from ..targets import DEFAULT_TARGET, Target, parse_layer_ids
+from ..targets.hf import BACKENDS
 
 
 def default(cls, name: str):

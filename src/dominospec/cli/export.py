@@ -10,7 +10,7 @@ from ..errors import DominoError
 from ..export import FORMATS, export_drafter, plan_export
 from ..export.convert import DTYPES
 from ..log import log
-from ..target import Target
+from ..targets import Target
 
 
 def cmd_export(args) -> int:

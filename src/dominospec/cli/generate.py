@@ -9,7 +9,7 @@ from ..decode import PromptLookup, generate_autoregressive, generate_speculative
 from ..decode.cost import auto_block_size
 from ..errors import DominoError
 from ..log import log
-from ..target.context import encode_if_fits
+from ..targets.context import encode_if_fits
 from .common import (
     LOOKUP,
     add_sampling_args,

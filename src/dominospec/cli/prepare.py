@@ -12,7 +12,7 @@ from ..data.store import read_manifest
 from ..errors import DominoError
 from ..io import check_free_space, ensure_writable_dir
 from ..log import log
-from ..target.features import FeatureCache, parse_layer_ids
+from ..targets.features import FeatureCache, parse_layer_ids
 from .common import add_target_args, require_at_least, target_from_args
 
 

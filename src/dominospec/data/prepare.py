@@ -58,8 +58,8 @@ from ..io import (
 )
 from ..log import log
 from ..sampling import SamplingConfig, check_sampling
-from ..target.context import cap_new_tokens, encode_if_fits, prompt_too_long
-from ..target.features import FeatureCache
+from ..targets.context import cap_new_tokens, encode_if_fits, prompt_too_long
+from ..targets.features import FeatureCache
 from ..version import __version__
 from .dataset import FORMAT, read_meta, same_target, target_record
 from .offpolicy import TEXT_COUNTS, is_off_policy, label_texts
@@ -108,7 +108,7 @@ class ChatCodec:
     decode: Callable[[list[int]], str]  # answer ids -> text for the history (special tokens dropped)
     tokenizer_sha256: str | None = None
     chat_template_sha256: str | None = None
-    max_token_chars: int | None = None  # see target/context.py: prompts too long by characters alone
+    max_token_chars: int | None = None  # see targets/context.py: prompts too long by characters alone
     encode_text: Callable[[str], list[int]] | None = None  # plain text -> ids, no template (off-policy answers)
 
     @classmethod

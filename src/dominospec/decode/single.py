@@ -21,7 +21,7 @@ import torch
 from ..devices import synchronize
 from ..errors import DominoError
 from ..sampling import SamplingConfig, accept_rejection
-from ..target.context import cap_new_tokens
+from ..targets.context import cap_new_tokens
 from .lookup import PromptLookup
 from .propose import Proposal, draft_block
 from .proposers import HybridProposer, make_proposer

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import DominoError
-from ..target.features import check_layer_ids
+from ..targets.features import check_layer_ids
 from .heads import CONFIDENCE_INPUTS, HEADS
 
 FORMAT = "dominospec-drafter/1"

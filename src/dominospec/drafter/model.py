@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import DominoError
-from ..target.features import check_layer_ids
-from ..target.native import KVCache
+from ..targets.features import check_layer_ids
+from ..targets.native import KVCache
 from .checkpoint import CONFIG_NAME, check_draft_vocab, check_state, read_checkpoint, save_checkpoint
 from .config import DrafterConfig
 from .heads import HEADS, ConfidenceHead

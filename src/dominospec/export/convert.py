@@ -20,8 +20,8 @@ import torch
 from ..drafter import Drafter
 from ..drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from ..errors import DominoError
-from ..target import BUNDLED_ALIASES
-from ..target.load import bundled_model_dir
+from ..targets import BUNDLED_ALIASES
+from ..targets.load import bundled_model_dir
 from ..version import __version__
 from .contracts import ARCHITECTURES, MASK_FILE, REPORT_FILE, Dims, expected_tensors
 from .plan import Plan, plan_export

@@ -38,7 +38,7 @@ from ..errors import DominoError
 from ..io import ensure_writable_dir, write_atomic
 from ..log import log
 from ..sampling import SamplingConfig
-from ..target import Target
+from ..targets import Target
 
 LOOKUP = "lookup"  # drafter="lookup": prompt lookup alone, no trained drafter
 WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")  # what SamplingConfig expresses

@@ -30,7 +30,7 @@ from ..engine import EngineFull, EngineRequest, RequestResult
 from ..errors import DominoError
 from ..log import log
 from ..sampling import SamplingConfig
-from ..target.context import MIN_ANSWER_TOKENS
+from ..targets.context import MIN_ANSWER_TOKENS
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from .text import TextStream

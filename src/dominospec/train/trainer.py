@@ -39,7 +39,7 @@ from ..drafter.checkpoint import ACCEPTANCE_NAME, CONFIG_NAME, check_state, read
 from ..errors import DominoError, flag
 from ..io import ensure_writable_dir, exclusive_lock, write_json_atomic, write_lines_atomic
 from ..log import log
-from ..target.features import FeatureCache
+from ..targets.features import FeatureCache
 from .blocks import (
     IGNORE,
     dense_or_sampled_anchors,

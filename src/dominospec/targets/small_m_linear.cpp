@@ -9,7 +9,7 @@
 // Every output element is accumulated in the same order (k = 0, 1, ..., one FMA per k) whatever
 // the number of rows, the row group or the thread: a row's result does not depend on its batch.
 //
-// Built by dominospec.target.kernels with -O3 -march=native; the vector width follows the ISA.
+// Built by dominospec.targets.kernels with -O3 -march=native; the vector width follows the ISA.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -7,7 +7,7 @@ whose rollback is setting a length). Both return the same logits and features to
 A `Target` wraps a decoder-only transformers model and gives the rest of dominospec a small,
 stable surface: a forward with a KV cache that returns logits and only the hidden states of the
 feature layers, cache rollback, the frozen embedding and LM head, chat encoding, EOS ids and the
-architecture numbers a drafter copies. Nothing outside `dominospec.target` touches transformers'
+architecture numbers a drafter copies. Nothing outside `dominospec.targets` touches transformers'
 cache or output objects, so a transformers upgrade is absorbed in this package.
 """
 
