@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..decode.cost import precision
 from ..devices import describe_device
 from ..engine import Engine, EngineRequest
 from ..errors import DominoError
@@ -161,7 +162,7 @@ def bench_concurrency(
     return {
         "device": describe_device(target.device),
         "target": getattr(target, "name", "model"),
-        "dtype": str(target.dtype).replace("torch.", ""),
+        "dtype": precision(target),
         "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
         "max_new_tokens": max_new_tokens,
         "prompts": {name: len(p) for name, p in datasets.items()},

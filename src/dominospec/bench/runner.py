@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..data.prompts import read_prompt_file
+from ..decode.cost import precision
 from ..decode.schedule import VERIFY_MODES
 from ..devices import describe_device
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
@@ -183,7 +184,7 @@ def benchmark(
     cfg = {
         "target": getattr(target, "name", "model"),
         "device": describe_device(target.device),
-        "dtype": str(target.dtype).replace("torch.", ""),
+        "dtype": precision(target),
         "backend": getattr(target, "backend", "hf"),
         "max_new_tokens": max_new_tokens,
         "temperature": sampling.temperature,

@@ -36,7 +36,7 @@ def cmd_profile(args) -> int:
         )
     drafter = resolve_drafter(target, args.drafter, args.no_draft)
     log(
-        f"profiling {target.name} ({target.backend}, {str(target.dtype).replace('torch.', '')}): verify of "
+        f"profiling {target.name} ({target.backend}, {target.precision}): verify of "
         f"1..{args.max_k} tokens at contexts {contexts}"
         + (", and the drafter's cost per block size" if drafter else "")
     )
@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
         help="measure decode / verify / draft cost on this device",
         description="Measure one decode step, one verify of k = 1..K new tokens at a few context "
         "lengths and (with a drafter) the draft cost per block size, for this device, "
-        "backend, dtype and thread count. The table is stored in the cache directory, "
+        "backend, precision (--dtype) and thread count. The table is stored in the cache directory, "
         "keyed by that fingerprint; `--block-size auto` reads it.",
     )
     add_target_args(p)

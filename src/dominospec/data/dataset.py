@@ -106,6 +106,7 @@ def _load_parts(d: Path, target, allow_other_target: bool, only: str | None = No
     meta = {
         **{k: manifest.get(k) for k in SHARED},
         "target_sha256": manifest.get("target_sha256"),
+        "target_precision": manifest.get("target_precision"),
         "format": manifest["format"],
         "complete": True,
         "parts": [p["name"] for p in parts],
@@ -169,6 +170,13 @@ def _check_target(meta: dict, target, d: Path, allow_other_target: bool) -> None
             f"data {d} was made with another tokenizer (target {meta['target']!r}, tokenizer "
             f"sha256 {ours[:16]}...) than target {target.name!r} (sha256 {theirs[:16]}...)"
         )
+    if not allow_other_target and other_precision(meta, target_record(target)):
+        raise DominoError(
+            f"data {d} was made by target {meta['target']!r} computing in {meta['target_precision']}, but this "
+            f"run's target computes in {target.precision} (--dtype): a drafter learns the model that wrote its "
+            "data, weight format included. Make data with the same --dtype, or pass --allow-other-target to "
+            "train on it anyway"
+        )
     if not allow_other_target and not same_target(meta, target):
         raise DominoError(
             f"data {d} was written by target {meta.get('target')!r}, but this run trains for target "
@@ -182,15 +190,29 @@ def same_target(recorded: dict, target) -> bool:
     """A record (meta.json, manifest) names `target` (a Target or another record): the same content
     fingerprint where both have one, else the same name or two spellings of one model directory."""
     other = target if isinstance(target, dict) else target_record(target)
+    if other_precision(recorded, other):
+        return False
     a, b = recorded.get("target_sha256"), other.get("target_sha256")
     if a and b:
         return a == b
     return _same_model(recorded.get("target"), other.get("target"))
 
 
+def other_precision(recorded: dict, other: dict) -> bool:
+    """Both records say how their target computed (fp32, bf16 or int8 weights, ...), and they differ.
+    Data made before targets recorded it matches any."""
+    a, b = recorded.get("target_precision"), other.get("target_precision")
+    return bool(a and b and a != b)
+
+
 def target_record(target) -> dict:
-    """How data records its target: the name it was loaded under, and its content fingerprint."""
-    return {"target": target.name, "target_sha256": getattr(target, "fingerprint", None)}
+    """How data records its target: the name it was loaded under, its content fingerprint (the weights
+    as loaded) and the precision it computed in (Target.precision: its weight format)."""
+    return {
+        "target": target.name,
+        "target_sha256": getattr(target, "fingerprint", None),
+        "target_precision": getattr(target, "precision", None),
+    }
 
 
 def _same_model(recorded: str | None, name: str | None) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import DominoError
 from ..io import ensure_writable_dir, exclusive_lock, is_temporary, json_field, write_json_atomic
-from .dataset import iter_shard, read_meta, same_target, target_record
+from .dataset import iter_shard, other_precision, read_meta, same_target, target_record
 from .prompts import prompts_fingerprint
 from .store import (
     FORMAT,
@@ -61,6 +61,7 @@ def add_part(dataset: str | Path, run_dir: str | Path, conversations=None, exist
                 "parts": [],
                 **{k: meta.get(k) for k in SHARED},
                 "target_sha256": meta.get("target_sha256"),
+                "target_precision": meta.get("target_precision"),
             }
         )
         diffs = _shared_differences(manifest, meta, f"in {dataset}", f"in {run_dir}")
@@ -195,6 +196,9 @@ def _shared_differences(manifest: dict, other: dict, there: str, here: str) -> s
         for k in SHARED
         if k != "target" and manifest.get(k) != other.get(k)
     ]
-    if not same_target(manifest, other):
+    if other_precision(manifest, other):
+        theirs, ours = manifest.get("target_precision"), other.get("target_precision")
+        diffs.insert(0, f"target precision (--dtype): {theirs!r} {there}, {ours!r} {here}")
+    elif not same_target(manifest, other):
         diffs.insert(0, f"target: {manifest.get('target')!r} {there}, {other.get('target')!r} {here}")
     return "; ".join(diffs)

@@ -61,7 +61,7 @@ from ..sampling import SamplingConfig, check_sampling
 from ..targets.context import cap_new_tokens, encode_if_fits, prompt_too_long
 from ..targets.features import FeatureCache
 from ..version import __version__
-from .dataset import FORMAT, read_meta, same_target, target_record
+from .dataset import FORMAT, other_precision, read_meta, same_target, target_record
 from .offpolicy import TEXT_COUNTS, is_off_policy, label_texts
 from .prompts import Conversation, prompts_fingerprint
 from .sampler import AnswerJob, sample_in_slots
@@ -558,7 +558,10 @@ def _check_same_run(existing: dict, new: dict, out: Path) -> None:
     diffs = [
         f"{key}: {old[key]!r} there, {new[key]!r} now" for key in IDENTITY if key != "target" and old[key] != new[key]
     ]
-    if not same_target(existing, new):  # by content: another spelling of the model's path is the same target
+    if other_precision(existing, new):
+        theirs, ours = existing.get("target_precision"), new.get("target_precision")
+        diffs.insert(0, f"target precision (--dtype): {theirs!r} there, {ours!r} now")
+    elif not same_target(existing, new):  # by content: another spelling of the model's path is the same target
         diffs.insert(0, f"target: {existing.get('target')!r} there, {new['target']!r} now (another model)")
     if diffs:
         raise DominoError(

@@ -93,6 +93,8 @@ def _self_written(target, n: int, seed: int, report, keep_in: Path | None) -> li
         return self_written_prompts(target, n, seed, report=report)
     path = Path(keep_in) / f"{SELF_PROMPTS_PREFIX}{n}-seed{seed}.json"
     who = getattr(target, "fingerprint", None) or target.name
+    if getattr(target, "precision", "float32") != "float32":
+        who = f"{who}/{target.precision}"  # another weight format writes other questions
     if path.exists():
         try:
             kept = read_json_object(path)

@@ -77,7 +77,7 @@ def profile_verify_cost(
         "sps": [1.0 / s for s in seconds],
         # the model by content: `tiny/`, `tiny` and its absolute path share one profile
         "target": getattr(target, "fingerprint", None) or getattr(target, "name", "model"),
-        "dtype": str(target.dtype).replace("torch.", ""),
+        "dtype": precision(target),
         "repeats": repeats,
         "statistic": "median",
         # noise only ever adds time: on a shared machine the minimum is the steadier estimate
@@ -89,8 +89,14 @@ def profile_verify_cost(
 # ----- the device profile: what the rest of the system reads to size its verify blocks -----
 
 
+def precision(target) -> str:
+    """The target's dtype, or its weight format where that differs ("int8-weights": Target.precision)."""
+    return getattr(target, "precision", None) or str(target.dtype).replace("torch.", "")
+
+
 def device_fingerprint(target) -> dict:
-    """What a cost table is only valid for: the hardware, threads, torch, the target and its backend."""
+    """What a cost table is only valid for: the hardware, threads, torch, the target, its backend and
+    precision (a weight format streams other bytes: each has its own profile)."""
     dev = target.device
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
     return {
@@ -101,7 +107,7 @@ def device_fingerprint(target) -> dict:
         # the model by content: `tiny/`, `tiny` and its absolute path share one profile
         "target": getattr(target, "fingerprint", None) or getattr(target, "name", "model"),
         "backend": getattr(target, "backend", "hf"),
-        "dtype": str(target.dtype).replace("torch.", ""),
+        "dtype": precision(target),
     }
 
 

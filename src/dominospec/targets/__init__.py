@@ -4,7 +4,8 @@ features.py  which decoder layers feed the drafter
 context.py   how much of the context a prompt leaves for the answer
 hf.py        Target: the adapter over a transformers model (forward, cache, tables, text)
 native.py    the native forward for Llama-family models (fused, pre-packed; --backend native)
-kernels.py   the small-row fp32 linear kernel (C++, built once at first use) and its fallback
+kernels.py   the small-row linear kernel (C++, built once at first use; fp32, bf16, int8 weights)
+quant.py     weight formats: bf16 / int8 weights with fp32 activations (--dtype on the CPU)
 generate.py  transformers' own generate (benchmark baselines, batched sampling for data)
 load.py      aliases, local directories, hub ids; GGUF conversion of the bundled model
 """

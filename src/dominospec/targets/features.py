@@ -65,7 +65,7 @@ class FeatureCache:
 
     A file holds "features" [S, n*H] (the feature layers side by side, as `sequence_features` gives
     them) and, where it was stored, "final" [S, H] (the post-norm final hidden state the LM head reads).
-    Files are keyed by content: the target (its weights' fingerprint, and dtype), the layers and the
+    Files are keyed by content: the target (its weights' fingerprint, dtype and weight format), the layers and the
     token ids, so another target, layer choice or sample never reads another's rows, and the trainer
     and prepare-data (which fills the cache while generating) share one directory. Writes are atomic
     with pid-named temporaries: processes may share a cache.
@@ -78,6 +78,8 @@ class FeatureCache:
     def path(self, layer_ids: Sequence[int], input_ids: Sequence[int]) -> Path:
         t = self.target
         identity = [getattr(t, "fingerprint", getattr(t, "name", None)), str(t.dtype)]
+        if getattr(t, "precision", None) not in (None, str(t.dtype).replace("torch.", "")):
+            identity.append(t.precision)  # bf16 / int8 weights: other features (fp32 keys stay as they were)
         key = json.dumps([identity, [int(i) for i in layer_ids], [int(i) for i in input_ids]])
         return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 

@@ -28,6 +28,7 @@ from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
 from .load import load_model
 from .native import KVCache, NativeModel, native_support
+from .quant import INT8, WEIGHT_ONLY, apply_weight_format_, precision_label, weight_only_format
 
 BACKENDS = ("auto", "native", "hf")
 
@@ -48,7 +49,10 @@ class Target:
         layer_ids: Sequence[int] | None = None,
         name: str = "model",
         backend: str = "hf",
+        weights: str | None = None,
     ):
+        """weights: None (the model as it is), or a weight-only format, bfloat16 or int8 (quant.py): its
+        linear weights are rounded to that format in place and the native kernel streams them so."""
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -68,12 +72,43 @@ class Target:
             raise DominoError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.native: NativeModel | None = None
         self.backend_note: str | None = None  # why a requested native backend is not used
-        if backend in ("auto", "native"):
-            why = native_support(model)
-            if why is None:
-                self.native = NativeModel.from_hf(model)
-            elif backend == "native":
-                self.backend_note = f"target {name!r} runs on the transformers path: {why}"
+        why = native_support(model) if backend in ("auto", "native") else "--backend hf"
+        self.weight_format = self._apply_weights(weights, why)
+        if why is None:
+            self.native = NativeModel.from_hf(model, self.weight_format)
+        elif backend == "native":
+            self.backend_note = f"target {name!r} runs on the transformers path: {why}"
+
+    def _apply_weights(self, weights: str | None, why_not_native: str | None) -> str:
+        """Round the weights to a weight-only format (in place); the format the target then computes in.
+
+        Without the native backend, int8 is refused and bfloat16 means the whole model in bf16."""
+        plain = str(self.dtype).replace("torch.", "")
+        if weights in (None, plain):
+            return plain
+        if weights not in WEIGHT_ONLY:
+            raise DominoError(f"weights {weights!r} is not a weight-only format ({', '.join(WEIGHT_ONLY)})")
+        if why_not_native is not None:
+            if weights == INT8:
+                raise DominoError(
+                    f"--dtype int8 needs the native backend (int8 weights on its small-row kernel), but target "
+                    f"{self.name!r} runs on transformers: {why_not_native}"
+                )
+            self.model.to(torch.bfloat16)  # transformers' bf16, activations included
+            return "bfloat16"
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise DominoError(f"{weights} weights need an fp32 model on the CPU, got {self.dtype} on {self.device}")
+        _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rounded
+        apply_weight_format_(self.model, weights)
+        return weights
+
+    @property
+    def precision(self) -> str:
+        """How this target computes, as identities record it (device profile, data, feature caches):
+        "float32", "bfloat16", ... for a plain model; "bfloat16-weights", "int8-weights" for fp32
+        activations on weights of that format ("-dot": bf16 on the CPU's bf16 dot product)."""
+        weight_only = self.weight_format if self.weight_format in WEIGHT_ONLY and self.native is not None else None
+        return precision_label(self.dtype, weight_only, self.native is not None and self.native.bf16_dot)
 
     @property
     def backend(self) -> str:
@@ -92,9 +127,14 @@ class Target:
         """By alias (default: the bundled model), local directory or hub id; see load.py.
 
         backend: auto (native where supported), native (says so when it is not), hf.
+        dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16, or int8. On the CPU with the
+        native backend, bfloat16 and int8 mean those weights with fp32 activations (quant.py).
         """
-        model, tokenizer, name = load_model(name_or_path, device=device, dtype=dtype, progress=progress)
-        target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend)
+        weights = weight_only_format(dtype, device, backend)
+        model, tokenizer, name = load_model(
+            name_or_path, device=device, dtype=torch.float32 if weights else dtype, progress=progress
+        )
+        target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend, weights=weights)
         if target.backend_note and progress:
             progress(target.backend_note)
         return target

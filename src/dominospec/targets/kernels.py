@@ -1,9 +1,10 @@
-"""The small-M fp32 linear kernel (small_m_linear.cpp): built once per machine, loaded at first use.
+"""The small-M linear kernel (small_m_linear.cpp): built once per machine, loaded at first use.
 
 Why: decode multiplies 1 row and verify 2-17 rows by every weight of the model. Library GEMMs
 either stream the weights slower for 2+ rows than a GEMV does for one, or re-pack W on every call;
 this kernel packs W once into panels and streams it once for all rows (see the .cpp file), so a
-verify pass of a few rows costs about what a decode step costs.
+verify pass of a few rows costs about what a decode step costs. Panels hold fp32, bf16 or int8
+weights (quant.py: --dtype bfloat16 / int8 on CPU); activations and sums are fp32 in every format.
 
 The extension is compiled with torch.utils.cpp_extension (-O3 -march=native) into
 <cache>/kernels/<key>, the key covering the source, torch's version and the CPU's flags, and a
@@ -114,24 +115,69 @@ def reset_kernels() -> None:
     _loaded.clear()
 
 
-class PackedLinear:
-    """W packed into the kernel's panels once; y = x @ W^T + b for x [..., K] with few rows."""
+BF16_DOT_SWITCH = "DOMINOSPEC_BF16_DOT"  # "on": bf16 weights on AVX512-BF16's dot product (rounds activations)
 
-    def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None):
+
+def bf16_dot_requested() -> bool:
+    return os.environ.get(BF16_DOT_SWITCH, "off").strip().lower() in ("on", "1", "true", "yes")
+
+
+def bf16_dot_available(module) -> bool:
+    """The switch is on and this build has the native bf16 dot product; says once when it has not."""
+    if not bf16_dot_requested():
+        return False
+    if not module.has_bf16_dot():
+        log_once(f"{BF16_DOT_SWITCH}=on, but this CPU has no AVX512-BF16: bf16 weights are widened to fp32 instead")
+        return False
+    return True
+
+
+def kernel_format(module, weight_format: str) -> str:
+    """The panel layout a weight format packs into: float32, bfloat16, bfloat16_pairs (dot product) or int8."""
+    if weight_format == "bfloat16" and bf16_dot_available(module):
+        return "bfloat16_pairs"
+    return weight_format
+
+
+class PackedLinear:
+    """W packed into the kernel's panels once; y = x @ W^T + b for x [..., K] with few rows.
+
+    weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes) or int8 (per
+    output channel, quant.quantize_int8: a quarter of the bytes, plus one fp32 scale per column).
+    Activations and accumulation stay fp32 (bf16 dot product: activations rounded to bf16 too).
+    """
+
+    def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str = "float32"):
+        from .quant import quantize_int8
+
         self.module = module
         self.out_features = weight.shape[0]
-        self.panels = module.pack(weight.detach().contiguous())  # [ceil(N / NR), K, NR]
+        self.format = kernel_format(module, weight_format)
+        w, self.scale = weight.detach().float().contiguous(), None
+        if self.format == "int8":
+            q, scale = quantize_int8(w)  # [N, K] integer-valued, [N]
+            w = q.float()
+            width = module.panel_width()
+            self.scale = torch.zeros(-(-self.out_features // width) * width)  # padded to whole panels
+            self.scale[: self.out_features] = scale
+        self.panels = module.pack(w, self.format)  # [ceil(N / NR), K, NR] (pairs: [.., ceil(K / 2), NR, 2])
         self.bias = None if bias is None else bias.detach().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a pass streams: the panels (and int8 scales)."""
+        extra = 0 if self.scale is None else self.scale.numel() * 4
+        return self.panels.numel() * self.panels.element_size() + extra
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        y = self.module.linear(rows, self.panels, self.bias, self.out_features)  # [M, N]
+        y = self.module.linear(rows, self.panels, self.bias, self.scale, self.out_features)  # [M, N]
         return y.view(*x.shape[:-1], self.out_features)
 
     def after_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """linear(silu(gate) * up) for gate_up [..., 2I] = [gate | up], the activation fused in."""
         rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
-        y = self.module.linear_silu_mul(rows, self.panels, self.bias, self.out_features)  # [M, N]
+        y = self.module.linear_silu_mul(rows, self.panels, self.bias, self.scale, self.out_features)  # [M, N]
         return y.view(*gate_up.shape[:-1], self.out_features)

@@ -20,7 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..log import log_once
 from .kernels import PackedLinear, load_kernels
+from .quant import WEIGHT_ONLY, format_values
 
 NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -105,20 +107,30 @@ class Linear(nn.Module):
     Without the kernel, M >= 2 rows: oneDNN with W reordered once into its blocked layout; M = 1:
     MKL against a pre-transposed [in, out] copy when out > in, else F.linear on the shared weight.
     CUDA or non-fp32: plain F.linear.
+
+    weight_format bfloat16 / int8 (quant.py; CPU fp32 only): the kernel's panels hold the weights in
+    that format; without the kernel, the library paths run on the format's values in fp32 (the same
+    model, at fp32's speed).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_format: str = "float32"):
         super().__init__()
         self.weight, self.bias = weight, bias  # [out, in], [out]; shared with HF when not fused
         self.out_features, in_features = weight.shape
         self.packed = self.weight_t = self.kernel = None
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            if weight_format in WEIGHT_ONLY:
+                raise ValueError(f"{weight_format} weights need fp32 CPU weights, not {weight.dtype} ({weight.device})")
             return
         module = load_kernels()
         if module is not None:
-            self.kernel = PackedLinear(module, weight, bias)
+            self.kernel = PackedLinear(module, weight, bias, weight_format)
             self.weight = None  # the panels serve every row count (frees a fused copy)
-        elif _packing_available():
+            return
+        if weight_format in WEIGHT_ONLY:  # no kernel: the format's values, fp32 library paths
+            log_once(f"{weight_format} weights without the small-row kernel: the same model, at fp32's speed")
+            weight = self.weight = format_values(weight, weight_format)
+        if _packing_available():
             self.onednn = torch.ops.mkldnn._linear_pointwise.default  # the overload: ~10 us/call less
             with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())  # oneDNN blocked
@@ -289,7 +301,7 @@ class Rope:
 class Block(nn.Module):
     """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, cfg: NativeConfig, hf_layer):
+    def __init__(self, cfg: NativeConfig, hf_layer, weight_format: str = "float32"):
         super().__init__()
         a, m = hf_layer.self_attn, hf_layer.mlp
         self.cfg = cfg
@@ -308,10 +320,11 @@ class Block(nn.Module):
                 self.qk_norm = torch.cat(
                     [a.q_norm.weight.expand(cfg.num_heads, -1), a.k_norm.weight.expand(cfg.num_kv_heads, -1)]
                 )  # [Hq+Hkv, D]
-        self.qkv = Linear(qkv_w, qkv_b)
-        self.o = Linear(a.o_proj.weight, a.o_proj.bias)
-        self.gate_up = Linear(gu_w, gu_b)
-        self.down = Linear(m.down_proj.weight, m.down_proj.bias)
+        fmt = weight_format
+        self.qkv = Linear(qkv_w, qkv_b, fmt)
+        self.o = Linear(a.o_proj.weight, a.o_proj.bias, fmt)
+        self.gate_up = Linear(gu_w, gu_b, fmt)
+        self.down = Linear(m.down_proj.weight, m.down_proj.bias, fmt)
         self.scale = float(getattr(a, "scaling", cfg.head_dim**-0.5))  # HF's own softmax scale
 
     def forward(self, x, layer: int, cache: KVCache, ctx: _Step) -> torch.Tensor:
@@ -370,24 +383,40 @@ class _Step:
 
 
 class NativeModel(nn.Module):
-    def __init__(self, cfg: NativeConfig, hf_model):
+    """weight_format: float32 (the weights as loaded), or bfloat16 / int8 weights with fp32 activations
+    (the model's weights should already hold the format's values: quant.apply_weight_format_)."""
+
+    def __init__(self, cfg: NativeConfig, hf_model, weight_format: str = "float32"):
         super().__init__()
         inner = hf_model.model
         self.cfg = cfg
         self.embed = inner.embed_tokens.weight  # [V, H], shared
         self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.blocks = nn.ModuleList(Block(cfg, layer) for layer in inner.layers)
+        self.weight_format = weight_format
+        self.blocks = nn.ModuleList(Block(cfg, layer, weight_format) for layer in inner.layers)
         self.norm = inner.norm.weight
         head = hf_model.lm_head.weight  # tied models: this is the embedding tensor itself
-        self.lm_head = Linear(head, getattr(hf_model.lm_head, "bias", None))
+        self.lm_head = Linear(head, getattr(hf_model.lm_head, "bias", None), weight_format)
         self.rope = Rope(inner.rotary_emb, cfg.head_dim, self.dtype, self.device)
 
     @classmethod
-    def from_hf(cls, hf_model) -> NativeModel:
+    def from_hf(cls, hf_model, weight_format: str = "float32") -> NativeModel:
         why = native_support(hf_model)
         if why is not None:
             raise ValueError(why)
-        return cls(NativeConfig.from_hf(hf_model.config), hf_model).eval()
+        return cls(NativeConfig.from_hf(hf_model.config), hf_model, weight_format).eval()
+
+    @property
+    def bf16_dot(self) -> bool:
+        """bf16 weights run on the CPU's bf16 dot product (DOMINOSPEC_BF16_DOT=on, AVX512-BF16)."""
+        kernel = self.lm_head.kernel
+        return kernel is not None and kernel.format == "bfloat16_pairs"
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of linear weights one forward streams through the kernel (0 without it)."""
+        linears = [self.lm_head] + [getattr(b, n) for b in self.blocks for n in ("qkv", "o", "gate_up", "down")]
+        return sum(lin.kernel.nbytes for lin in linears if lin.kernel is not None)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The model's last RMSNorm (what the LM head reads)."""

@@ -6,16 +6,30 @@
 // the weights cross the memory bus once whatever R is. Rows beyond the register budget (MR) are
 // done in further groups while the panel is still in L2.
 //
-// Every output element is accumulated in the same order (k = 0, 1, ..., one FMA per k) whatever
-// the number of rows, the row group or the thread: a row's result does not depend on its batch.
+// Weight formats (the packed tensor's dtype says which): float32; bfloat16 (half the bytes, widened
+// to fp32 in registers by a 16-bit shift: exact); int8 with one fp32 scale per output column (a
+// quarter of the bytes, widened exactly to fp32, the column's scale applied once after the sum).
+// Activations and accumulation are fp32 in all three. Optionally, where the CPU has AVX512-BF16,
+// bfloat16 weights packed in k-pairs run on the native bf16 dot product (vdpbf16ps), which also
+// rounds the activations to bf16 (per row, the same whatever the batch).
+//
+// Every output element is accumulated in the same order (k = 0, 1, ..., one FMA per k; k-pairs for
+// the dot product) whatever the number of rows, the row group or the thread: a row's result does
+// not depend on its batch.
 //
 // Built by dominospec.targets.kernels with -O3 -march=native; the vector width follows the ISA.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define DOMINOSPEC_BF16_DOT 1
+#endif
+
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -33,37 +47,59 @@ constexpr int MR = 4;
 #endif
 constexpr int NV = 2;  // vectors per panel row
 constexpr int NR = VW * NV;  // panel width (output columns)
-constexpr int PREFETCH = 8;  // panel rows ahead (NR floats each)
+constexpr int PREFETCH = 8;  // panel rows ahead
 constexpr int64_t CHUNK = 64;  // rows per work item
 
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
+typedef int8_t vb __attribute__((vector_size(VW * sizeof(int8_t))));
 
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(vf));
-  return v;
+// How VW packed weights become VW fp32 lanes, one struct per storage format.
+struct F32 {
+  using T = float;
+  static inline vf widen(const float* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof(vf));
+    return v;
+  }
+};
+
+struct BF16 {  // bf16 is the top half of an fp32: zero-extend to 32 bits and shift up
+  using T = uint16_t;
+  static inline vf widen(const uint16_t* p) {
+    vh h;
+    std::memcpy(&h, p, sizeof(vh));
+    const vu u = __builtin_convertvector(h, vu) << 16;
+    vf v;
+    std::memcpy(&v, &u, sizeof(vf));
+    return v;
+  }
+};
+
+struct I8 {  // an int8 is exactly an fp32; the column's scale comes after the sum
+  using T = int8_t;
+  static inline vf widen(const int8_t* p) {
+    vb b;
+    std::memcpy(&b, p, sizeof(vb));
+    return __builtin_convertvector(b, vf);
+  }
+};
+
+inline void prefetch_row(const void* row, int bytes) {
+  const char* c = static_cast<const char*>(row);
+  for (int b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
+// acc [R][NV] -> y rows: times the column scales (int8), plus the bias, only the ncols real columns
 template <int R>
-void panel(const float* __restrict x, int64_t ldx, const float* __restrict wp, int64_t K, float* __restrict y,
-           int64_t ldy, int64_t ncols, const float* __restrict bias) {
-  vf acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = wp + k * NR;
-    __builtin_prefetch(wk + PREFETCH * NR);
-    __builtin_prefetch(wk + PREFETCH * NR + 16);
-    vf w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = load(wk + v * VW);
-    for (int r = 0; r < R; ++r) {
-      const float xs = x[r * ldx + k];
-      for (int v = 0; v < NV; ++v) acc[r][v] += w[v] * xs;  // contracted to one FMA
-    }
-  }
+inline void store(vf (&acc)[R][NV], float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
+                  const float* __restrict scale) {
   for (int r = 0; r < R; ++r) {
     alignas(64) float out[NR];
     std::memcpy(out, acc[r], sizeof(out));
+    if (scale != nullptr)
+      for (int j = 0; j < NR; ++j) out[j] *= scale[j];  // scale points at NR padded columns
     float* yr = y + r * ldy;
     if (bias != nullptr)
       for (int64_t j = 0; j < ncols; ++j) yr[j] = out[j] + bias[j];
@@ -72,13 +108,113 @@ void panel(const float* __restrict x, int64_t ldx, const float* __restrict wp, i
   }
 }
 
-using PanelFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
-
-template <int... Rs>
-constexpr auto make_table(std::integer_sequence<int, Rs...>) {
-  return std::array<PanelFn, sizeof...(Rs)>{&panel<Rs + 1>...};
+template <typename Fmt, int R>
+void panel(const float* __restrict x, int64_t ldx, const typename Fmt::T* __restrict wp, int64_t K,
+           float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
+           const float* __restrict scale) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    const typename Fmt::T* wk = wp + k * NR;
+    prefetch_row(wk + PREFETCH * NR, NR * sizeof(typename Fmt::T));
+    vf w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = Fmt::widen(wk + v * VW);
+    for (int r = 0; r < R; ++r) {
+      const float xs = x[r * ldx + k];
+      for (int v = 0; v < NV; ++v) acc[r][v] += w[v] * xs;  // contracted to one FMA
+    }
+  }
+  store<R>(acc, y, ldy, ncols, bias, scale);
 }
-const auto PANELS = make_table(std::make_integer_sequence<int, MR>{});
+
+#ifdef DOMINOSPEC_BF16_DOT
+// bf16 weights in k-pairs: packed[p][k2][j][t] = W[p*NR + j][2*k2 + t]; x already bf16, [R][2*K2].
+// One vdpbf16ps adds w[2k2]*x[2k2] + w[2k2+1]*x[2k2+1] to each of 16 fp32 lanes.
+template <int R>
+void panel_dot(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict wp, int64_t K2,
+               float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias) {
+  static_assert(VW == 16, "the bf16 dot product runs on zmm registers");
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    const uint16_t* wk = wp + k2 * NR * 2;
+    prefetch_row(wk + PREFETCH * NR * 2, NR * 2 * sizeof(uint16_t));
+    __m512bh w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wk + v * VW * 2);
+    for (int r = 0; r < R; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * k2, sizeof(pair));
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], xs);
+    }
+  }
+  vf out[R][NV];
+  std::memcpy(out, acc, sizeof(out));
+  store<R>(out, y, ldy, ncols, bias, nullptr);
+}
+#endif
+
+// One row group through one panel: (x rows, ldx, panel, K, y, ldy, ncols, bias, scale)
+template <typename X, typename T>
+using PanelFn = void (*)(const X*, int64_t, const T*, int64_t, float*, int64_t, int64_t, const float*,
+                         const float*);
+
+template <typename Fmt, int... Rs>
+constexpr auto make_table(std::integer_sequence<int, Rs...>) {
+  return std::array<PanelFn<float, typename Fmt::T>, sizeof...(Rs)>{&panel<Fmt, Rs + 1>...};
+}
+const auto PANELS_F32 = make_table<F32>(std::make_integer_sequence<int, MR>{});
+const auto PANELS_BF16 = make_table<BF16>(std::make_integer_sequence<int, MR>{});
+const auto PANELS_I8 = make_table<I8>(std::make_integer_sequence<int, MR>{});
+
+#ifdef DOMINOSPEC_BF16_DOT
+template <int R>
+void panel_dot_fn(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t K2, float* y, int64_t ldy,
+                  int64_t ncols, const float* bias, const float*) {
+  panel_dot<R>(x, ldx, wp, K2, y, ldy, ncols, bias);
+}
+template <int... Rs>
+constexpr auto make_dot_table(std::integer_sequence<int, Rs...>) {
+  return std::array<PanelFn<uint16_t, uint16_t>, sizeof...(Rs)>{&panel_dot_fn<Rs + 1>...};
+}
+const auto PANELS_DOT = make_dot_table(std::make_integer_sequence<int, MR>{});
+#endif
+
+// Work items: (panel, chunk of at most CHUNK rows), consecutive items sharing a panel, so prefill's
+// many rows spread over threads too; each chunk is split into balanced row groups. The row grouping
+// changes which rows share registers, never the order of any row's sum.
+template <typename X, typename T, size_t NT>
+void run_panels(const std::array<PanelFn<X, T>, NT>& panels, const X* xp, int64_t ldx, const T* wp,
+                int64_t panel_elems, int64_t Kp, float* yp, int64_t M, int64_t N, int64_t P, const float* b,
+                const float* scale) {
+  const int64_t chunks = (M + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, P * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = i / chunks, c = i % chunks;
+      const int64_t col = p * NR, ncols = std::min<int64_t>(NR, N - col);
+      const T* w = wp + p * panel_elems;
+      const int64_t first = c * CHUNK, rows_here = std::min<int64_t>(CHUNK, M - first);
+      const int64_t groups = (rows_here + MR - 1) / MR;
+      int64_t m0 = first;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t rows = (first + rows_here - m0) / (groups - g);
+        panels[rows - 1](xp + m0 * ldx, ldx, w, Kp, yp + m0 * N + col, N, ncols, b ? b + col : nullptr,
+                         scale ? scale + col : nullptr);
+        m0 += rows;
+      }
+    }
+  });
+}
+
+torch::Tensor padded_columns(const torch::Tensor& weight) {
+  // [N, K] -> [P * NR, K], zero rows appended
+  const int64_t N = weight.size(0), P = (N + NR - 1) / NR;
+  auto padded = torch::zeros({P * NR, weight.size(1)}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded;
+}
 
 }  // namespace
 
@@ -86,54 +222,97 @@ int64_t panel_width() { return NR; }
 
 int64_t max_rows_per_group() { return MR; }
 
-torch::Tensor pack(const torch::Tensor& weight) {
-  // [N, K] -> [ceil(N / NR), K, NR]
+bool has_bf16_dot() {
+#ifdef DOMINOSPEC_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor pack(const torch::Tensor& weight, const std::string& format) {
+  // [N, K] float32 -> panels [ceil(N / NR), K, NR] of float32, bfloat16 (rounded to nearest even) or
+  // int8 (the values must already be integers in -127..127; the caller keeps the column scales);
+  // "bfloat16_pairs" -> [ceil(N / NR), ceil(K / 2), NR, 2] bfloat16 for the dot-product kernel.
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: weight must be a 2-D float32 tensor");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
-  auto padded = torch::zeros({P * NR, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({P, NR, K}).transpose(1, 2).contiguous();
+  auto padded = padded_columns(weight);  // [P * NR, K]
+  if (format == "bfloat16_pairs") {
+    const int64_t K2 = (K + 1) / 2;
+    auto even = torch::zeros({P * NR, 2 * K2}, weight.options());
+    even.narrow(1, 0, K).copy_(padded);
+    // [P, NR, K2, 2] -> [P, K2, NR, 2]
+    return even.to(at::kBFloat16).view({P, NR, K2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  auto panels = padded.view({P, NR, K}).transpose(1, 2);  // [P, K, NR]
+  if (format == "float32") return panels.contiguous();
+  if (format == "bfloat16") return panels.to(at::kBFloat16).contiguous();
+  if (format == "int8") {
+    TORCH_CHECK(weight.abs().max().item<float>() <= 127.0f && torch::equal(weight, weight.round()),
+                "pack: int8 weights must be integers in -127..127");
+    return panels.to(at::kChar).contiguous();
+  }
+  TORCH_CHECK(false, "pack: unknown weight format ", format);
+  return panels;
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     int64_t N) {
-  // x [M, K] float32 contiguous; packed [P, K, NR] from pack(); bias [N] or None -> [M, N]
+                     const c10::optional<torch::Tensor>& scale, int64_t N) {
+  // x [M, K] float32 contiguous; packed from pack(); bias [N] or None; scale [P * NR] (int8: the
+  // column scales, padded) or None -> [M, N]
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.size(1) == x.size(1), "packed weight mismatch");
+  const bool pairs = packed.dim() == 4;
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(2) == NR && packed.is_contiguous(), "packed weight mismatch");
+  TORCH_CHECK(pairs ? (packed.size(1) == (K + 1) / 2 && packed.size(3) == 2) : (packed.dim() == 3 && packed.size(1) == K),
+              "packed weight does not match x's ", K, " columns");
   TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "N does not match the packed panels");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
     b = bias->data_ptr<float>();
   }
+  const float* s = nullptr;
+  if (scale.has_value() && scale->defined()) {
+    TORCH_CHECK(scale->numel() == P * NR && scale->is_contiguous() && scale->scalar_type() == at::kFloat,
+                "scale must be [P * NR] float32");
+    s = scale->data_ptr<float>();
+  }
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Work items: (panel, chunk of at most CHUNK rows), consecutive items sharing a panel, so
-  // prefill's many rows spread over threads too; each chunk is split into balanced row groups.
-  const int64_t chunks = (M + CHUNK - 1) / CHUNK;
-  at::parallel_for(0, P * chunks, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / chunks, c = i % chunks;
-      const int64_t col = p * NR, ncols = std::min<int64_t>(NR, N - col);
-      const float* w = wp + p * K * NR;
-      const int64_t first = c * CHUNK, rows_here = std::min<int64_t>(CHUNK, M - first);
-      const int64_t groups = (rows_here + MR - 1) / MR;
-      int64_t m0 = first;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t rows = (first + rows_here - m0) / (groups - g);
-        PANELS[rows - 1](xp + m0 * K, K, w, K, yp + m0 * N + col, N, ncols, b ? b + col : nullptr);
-        m0 += rows;
-      }
-    }
-  });
+  const float* xp = x.data_ptr<float>();
+  const auto dtype = packed.scalar_type();
+  if (pairs) {
+#ifdef DOMINOSPEC_BF16_DOT
+    TORCH_CHECK(dtype == at::kBFloat16 && s == nullptr, "paired panels are bfloat16, without scales");
+    const int64_t K2 = packed.size(1);
+    auto xb = torch::zeros({M, 2 * K2}, x.options().dtype(at::kBFloat16));  // activations rounded to bf16
+    xb.narrow(1, 0, K).copy_(x);
+    const auto* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+    run_panels(PANELS_DOT, xbp, 2 * K2, wp, K2 * NR * 2, K2, yp, M, N, P, b, nullptr);
+    return y;
+#else
+    TORCH_CHECK(false, "this build has no bf16 dot product (AVX512-BF16)");
+#endif
+  }
+  if (dtype == at::kFloat) {
+    run_panels(PANELS_F32, xp, K, packed.data_ptr<float>(), K * NR, K, yp, M, N, P, b, s);
+  } else if (dtype == at::kBFloat16) {
+    const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+    run_panels(PANELS_BF16, xp, K, wp, K * NR, K, yp, M, N, P, b, s);
+  } else if (dtype == at::kChar) {
+    TORCH_CHECK(s != nullptr, "int8 panels need their column scales");
+    run_panels(PANELS_I8, xp, K, packed.data_ptr<int8_t>(), K * NR, K, yp, M, N, P, b, s);
+  } else {
+    TORCH_CHECK(false, "packed weights of dtype ", dtype, " are not a kernel format");
+  }
   return y;
 }
 
 torch::Tensor linear_silu_mul(const torch::Tensor& gate_up, const torch::Tensor& packed,
-                              const c10::optional<torch::Tensor>& bias, int64_t N) {
+                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
+                              int64_t N) {
   // gate_up [M, 2I] float32 contiguous -> linear(silu(gate) * up): the MLP's down projection, with the
   // activation computed here instead of in three tensor ops
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous(),
@@ -141,7 +320,7 @@ torch::Tensor linear_silu_mul(const torch::Tensor& gate_up, const torch::Tensor&
   const int64_t I = gate_up.size(1) / 2;
   // ATen's vectorised silu, called from here: no Python dispatch, no chunk
   auto act = at::silu(gate_up.narrow(1, 0, I)).mul_(gate_up.narrow(1, I, I));  // [M, I] contiguous
-  return linear(act, packed, bias, N);
+  return linear(act, packed, bias, scale, N);
 }
 
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads) {
@@ -178,6 +357,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope);
   m.def("panel_width", &panel_width);
   m.def("max_rows_per_group", &max_rows_per_group);
+  m.def("has_bf16_dot", &has_bf16_dot);
   m.def("pack", &pack);
   m.def("linear", &linear);
 }

@@ -1,0 +1,99 @@
+"""Weight formats of a CPU target: bf16 or int8 linear weights, fp32 activations and sums.
+
+Why: a decode step on a CPU streams every weight of the model once, so its cost is the weights'
+bytes. `--dtype bfloat16` and `--dtype int8` on the native backend keep the activations and every
+sum in fp32 and store the weights of the linear layers (the decoder layers' projections and the
+LM head, which is the embedding table of a tied model) as bf16 (half the bytes, rounded to
+nearest) or int8 with one fp32 scale per output channel (a quarter; quantised at load from the
+weights alone, no calibration data).
+
+The format is applied to the loaded model in place first: its weights become the format's values,
+held in fp32. Every path that reads the model (the small-row kernel, the library fallback without
+a compiler, the drafter's borrowed embedding and LM head, feature extraction) then computes the
+same model, and the kernel packs those values in the compact format (kernels.PackedLinear).
+Speculative decoding is exact against plain decoding of that same model: the kernel's rows do not
+depend on their batch, in every format.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..devices import DTYPES, resolve_device
+from ..errors import DominoError
+
+WEIGHT_ONLY = ("bfloat16", "int8")  # formats with fp32 activations (the kernel widens the weights)
+INT8 = "int8"
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w [N, K] -> (q [N, K] int8 in -127..127, scale [N] fp32),
+    w ~= q * scale[:, None]. An all-zero row gets scale 1 (its q are all 0)."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)  # [N]
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]  # [N, K]
+
+
+def format_values(w: torch.Tensor, weight_format: str) -> torch.Tensor:
+    """w [N, K] as the format stores it, back in fp32: what every path of a weight-only target computes with."""
+    if weight_format == "bfloat16":
+        return w.detach().to(torch.bfloat16).float()
+    if weight_format == INT8:
+        return dequantize_int8(*quantize_int8(w))
+    raise ValueError(f"{weight_format!r} is not a weight-only format ({', '.join(WEIGHT_ONLY)})")
+
+
+def linear_layers(model: nn.Module) -> list[nn.Linear]:
+    """The linears a weight format covers: every nn.Linear of the decoder layers, and the LM head."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    found = [m for m in (layers.modules() if layers is not None else []) if isinstance(m, nn.Linear)]
+    head = model.get_output_embeddings()
+    return found + ([head] if isinstance(head, nn.Linear) else [])
+
+
+@torch.no_grad()
+def apply_weight_format_(model: nn.Module, weight_format: str) -> None:
+    """Replace, in place, each covered weight by its format's values (fp32 storage; a tied embedding
+    is the LM head's tensor and follows it)."""
+    for linear in linear_layers(model):
+        linear.weight.copy_(format_values(linear.weight, weight_format))
+
+
+def weight_only_format(dtype, device: str | torch.device | None, backend: str) -> str | None:
+    """The weight-only format `--dtype` asks for on this device and backend, or None for a plain dtype.
+
+    int8 exists only as a weight-only format on the CPU native backend (refused elsewhere, by name);
+    bfloat16 on a CPU with the native backend means bf16 weights and fp32 activations, elsewhere (a
+    GPU, --backend hf) the whole model in bf16 as transformers runs it.
+    """
+    if isinstance(dtype, torch.dtype):
+        dtype = next((name for name, d in DTYPES.items() if d == dtype), str(dtype))
+    dev = resolve_device(device if isinstance(device, str) or device is None else str(device))
+    if dtype == INT8:
+        if backend == "hf":
+            raise DominoError(
+                "--dtype int8 (int8 weights, fp32 activations) runs on the native backend's small-row kernel; "
+                "--backend hf (transformers) has no int8 path here: use --backend native or auto"
+            )
+        if dev.type != "cpu":
+            raise DominoError(f"--dtype int8 runs on the CPU (the small-row kernel); device is {dev.type}")
+        return INT8
+    if DTYPES.get(dtype) == torch.bfloat16 and dev.type == "cpu" and backend != "hf":
+        return "bfloat16"
+    return None
+
+
+def precision_label(dtype: torch.dtype, weight_format: str | None, bf16_dot: bool = False) -> str:
+    """How a target computes, as identities record it: the dtype for a plain model ("float32",
+    "bfloat16"), else "<format>-weights" (fp32 activations), "-dot" where bf16 runs on the CPU's
+    bf16 dot product (which rounds activations too)."""
+    if weight_format not in WEIGHT_ONLY:
+        return str(dtype).replace("torch.", "")
+    return f"{weight_format}-weights" + ("-dot" if bf16_dot and weight_format == "bfloat16" else "")
