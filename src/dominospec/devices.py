@@ -46,7 +46,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         # bf16 on GPUs; fp32 on CPU: the lossless default (reduced precision flips near-ties)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise DominoError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        raise DominoError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}, or int8 (CPU weights)")
     return DTYPES[dtype]
 
 

@@ -42,7 +42,13 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         help=f"HF hub id, local model directory, or the bundled alias (default: {DEFAULT_TARGET})",
     )
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16, int8. On the CPU with the native "
+        "backend, bfloat16 and int8 are weight formats (half / a quarter of fp32's bytes, int8 per output "
+        "channel) with fp32 activations: speculative output stays identical to plain decoding of that format",
+    )
     p.add_argument(
         "--backend",
         default="auto",

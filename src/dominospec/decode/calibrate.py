@@ -197,6 +197,7 @@ def calibrate(
     result.update(
         measured_by="dominospec calibrate",
         target=getattr(target, "name", "model"),
+        target_precision=getattr(target, "precision", None),  # fp32, bf16 or int8 weights (--dtype)
         prompts=len(prompts),
         prompts_fingerprint=prompts_fingerprint(prompts),
         max_new_tokens=max_new_tokens,

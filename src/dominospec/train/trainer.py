@@ -774,7 +774,8 @@ class Trainer:
             state = {k: v.to(self.save_dtype) if v.is_floating_point() else v for k, v in state.items()}
         save_checkpoint(self.drafter.config, state, self.out)
         if self.best.result is not None:
-            write_json_atomic(self.out / ACCEPTANCE_NAME, self.best.acceptance(), indent=2)
+            acceptance = self.best.acceptance() | {"target_precision": getattr(self.target, "precision", None)}
+            write_json_atomic(self.out / ACCEPTANCE_NAME, acceptance, indent=2)  # measured on this weight format
 
 
 def _postfix(rec: dict, val=None) -> str:

@@ -1,0 +1,282 @@
+"""bf16 and int8 target weights (targets/quant.py, the small-row kernel's formats): each format is its own
+model, computed to fp32 rounding, and speculative decoding is exact against plain decoding of that model."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import (
+    assert_matches_target_distribution,
+    tiny_drafter,
+    tiny_target,
+    write_prompts,
+)
+
+from dominospec import DominoError, SamplingConfig, Target, cli, generate_autoregressive, generate_speculative
+from dominospec.data.dataset import load_dataset_dir, target_record
+from dominospec.decode import PromptLookup
+from dominospec.decode.cost import device_fingerprint
+from dominospec.engine import Engine, EngineRequest
+from dominospec.targets.features import FeatureCache
+from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kernels
+from dominospec.targets.quant import dequantize_int8, format_values, quantize_int8
+
+FORMATS = ["bfloat16", "int8"]
+SHAPES = [(1, 1), (5, 3), (33, 17), (100, 37), (70, 64)]  # N ragged against the panel width, K odd
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = load_kernels()
+    if module is None:
+        pytest.skip("the small-row kernel does not build here (no compiler)")
+    return module
+
+
+def kernel_formats(module) -> list[str]:
+    """Every panel layout this CPU runs: the portable formats, and bf16 on the native dot product where it exists."""
+    return ["float32", "bfloat16", "int8"] + (["bfloat16-dot"] if module.has_bf16_dot() else [])
+
+
+def packed(module, w, b, fmt, monkeypatch) -> PackedLinear:
+    monkeypatch.setenv(BF16_DOT_SWITCH, "on" if fmt == "bfloat16-dot" else "off")
+    lin = PackedLinear(module, w, b, "bfloat16" if fmt == "bfloat16-dot" else fmt)
+    assert lin.format == {"bfloat16-dot": "bfloat16_pairs"}.get(fmt, fmt)
+    return lin
+
+
+def reference(x, w, b, fmt):
+    """F.linear on the weights the format stores, widened / dequantised to fp32 (the dot product also
+    rounds the activations to bf16)."""
+    if fmt == "bfloat16-dot":
+        x, fmt = x.to(torch.bfloat16).float(), "bfloat16"
+    return F.linear(x, w if fmt == "float32" else format_values(w, fmt), b)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_a_matmul_on_the_widened_weights_for_every_shape_class(bias, kernels, monkeypatch):
+    """Protects: in every weight format, the kernel computes x @ W_fmt^T + b to fp32 rounding for 1..16
+    rows, ragged N and odd K, and a wrong weight is caught by the same comparison."""
+    g = torch.Generator().manual_seed(0)
+    for fmt in kernel_formats(kernels):
+        for n, k in SHAPES:
+            w = torch.randn(n, k, generator=g) / k**0.5
+            b = torch.randn(n, generator=g) if bias else None
+            lin = packed(kernels, w, b, fmt, monkeypatch)
+            x = torch.randn(16, k, generator=g)
+            for m in range(1, 17):
+                y = lin(x[:m])
+                assert y.shape == (m, n)
+                assert (y - reference(x[:m], w, b, fmt)).abs().max().item() <= 1e-5 * max(1.0, k**0.5), (fmt, n, k, m)
+        control = w.clone()
+        control[0, 0] += 1.0
+        assert (packed(kernels, control, b, fmt, monkeypatch)(x) - reference(x, w, b, fmt)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_rows_output_does_not_depend_on_how_many_rows_share_the_call(bias, kernels, monkeypatch):
+    """Protects: the property that makes speculative output identical to plain output, in every format:
+    row r gives the same bits alone, in every prefix of 1..16 rows and among other rows (bitwise)."""
+    g = torch.Generator().manual_seed(1)
+    for fmt in kernel_formats(kernels):
+        for n, k in SHAPES + [(960, 576)]:
+            lin = packed(kernels, torch.randn(n, k, generator=g), torch.randn(n) if bias else None, fmt, monkeypatch)
+            x = torch.randn(16, k, generator=g)
+            batch = lin(x)
+            for m in range(1, 17):
+                assert torch.equal(lin(x[:m]), batch[:m]), (fmt, n, k, m)
+            for r in (0, 5, 15):
+                assert torch.equal(lin(x[r : r + 1]), batch[r : r + 1])
+                shuffled = torch.cat([torch.randn(3, k, generator=g), x[r : r + 1], torch.randn(7, k, generator=g)])
+                assert torch.equal(lin(shuffled)[3], batch[r])
+
+
+def test_int8_is_symmetric_per_output_channel_and_idempotent():
+    """Protects: q in -127..127, each channel's largest weight maps to +-127, the error is at most half a
+    step, an all-zero row stays zero, and quantising the dequantised weights gives them back (so the model
+    rounded in place and the kernel's packed copy are one model)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 33, generator=g) * torch.logspace(-4, 1, 40)[:, None]
+    w[7] = 0.0
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (40,) and int(q.abs().max()) == 127
+    assert bool((q.abs().amax(1)[torch.arange(40) != 7] == 127).all()) and int(q[7].abs().max()) == 0
+    back = dequantize_int8(q, scale)
+    assert bool(((back - w).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all())
+    q2, scale2 = quantize_int8(back)
+    assert torch.equal(q2, q) and torch.equal(dequantize_int8(q2, scale2), back)
+    assert torch.equal(format_values(format_values(w, "bfloat16"), "bfloat16"), format_values(w, "bfloat16"))
+
+
+# ----- the weight format behind the Target -----
+
+
+def llama_fp32(seed: int = 0):
+    """A SmolLM2-like tiny Llama (tied embedding: the LM head is the embedding table) in fp32, its weights
+    spread enough that greedy continuations vary and the formats' rounding shows in the logits."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=95,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.12 * torch.randn_like(p))
+    return model
+
+
+def quant_target(fmt: str | None, seed: int = 0) -> Target:
+    return Target(llama_fp32(seed), name="tiny-smol", backend="native", weights=fmt)
+
+
+PROMPTS = [[1, 5, 9, 2], [7] * 11, list(range(3, 40, 2)), [4, 8, 15, 16, 23, 42, 4, 8, 15, 16]]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_format_is_its_own_model_close_to_fp32(fmt, kernels):
+    """Protects: --dtype bfloat16 / int8 change the weights (the kernel streams half / a quarter of the bytes),
+    the whole model (the HF module and the native forward) computes with the format's values, and its logits
+    stay close to fp32's. The source weights' fingerprint is kept; the precision label says the format."""
+    ref, t = quant_target(None), quant_target(fmt)
+    assert t.weight_format == fmt and t.precision == f"{fmt}-weights" and ref.precision == "float32"
+    assert t.dtype == torch.float32 and t.fingerprint == ref.fingerprint
+    assert t.native.lm_head.kernel.format == fmt
+    # half / a quarter of the bytes, plus int8's fp32 column scales (4 bytes per 64-wide row here)
+    assert t.native.weight_bytes * (2 if fmt == "bfloat16" else 3.5) <= ref.native.weight_bytes * 1.01
+    head = t.model.get_output_embeddings().weight
+    assert head is t.model.get_input_embeddings().weight  # tied: the embedding follows the LM head
+    assert torch.equal(head, format_values(ref.model.get_output_embeddings().weight, fmt))
+    ids = torch.tensor([PROMPTS[2]])
+    native = t.forward(ids, t.new_cache(), with_features=False).logits
+    hf = t.model(input_ids=ids).logits
+    fp32 = ref.forward(ids, ref.new_cache(), with_features=False).logits
+    assert (native - hf).abs().max().item() < 1e-4  # one model on both paths
+    assert 1e-5 < (native - fp32).abs().max().item() < (0.1 if fmt == "bfloat16" else 0.3)  # another model, close
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_speculative_equals_greedy_plain_of_the_same_format(fmt, kernels):
+    """Protects: with bf16 / int8 weights, greedy speculative decoding (drafter at every block size, prompt
+    lookup, the hybrid) is token for token the plain greedy output of that format."""
+    t = quant_target(fmt)
+    drafter = tiny_drafter(t, head="domino", block_size=4).to(torch.float32)
+    for prompt in PROMPTS:
+        ref = generate_autoregressive(t, prompt, 32, eos_ids=[]).tokens
+        for b in (1, 2, 4):
+            spec = generate_speculative(t, drafter, prompt, 32, block_size=b, eos_ids=[])
+            assert spec.tokens == ref and spec.cycles > 0, (fmt, prompt, b)
+        assert generate_speculative(t, None, prompt, 32, eos_ids=[], lookup=PromptLookup()).tokens == ref
+        assert generate_speculative(t, drafter, prompt, 32, eos_ids=[], lookup=PromptLookup()).tokens == ref
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_engine_gives_every_greedy_request_its_plain_output_in_the_format(fmt, kernels):
+    """Protects: the batched engine (rows of different lengths sharing every kernel call) keeps each greedy
+    request's output equal to plain decoding of the same format, plain and speculative."""
+    t = quant_target(fmt)
+    drafter = tiny_drafter(t, head="domino", block_size=4).to(torch.float32)
+    for engine in (Engine(t, max_batch=3), Engine(t, drafter, lookup=True, policy="fixed", max_batch=3)):
+        handles = [engine.submit(EngineRequest(p, 24, SamplingConfig(), seed=i)) for i, p in enumerate(PROMPTS)]
+        engine.run_until_idle()
+        for prompt, h in zip(PROMPTS, handles):
+            assert h.wait(0).tokens == generate_autoregressive(t, prompt, 24, eos_ids=t.eos_ids).tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sampling_at_t1_keeps_the_formats_distribution(fmt, kernels):
+    """Protects: speculative sampling at T=1 commits 3-token continuations with exactly the probabilities of
+    the format's own model (chi-square against enumeration through the rounded HF module)."""
+    model = tiny_target("qwen3", vocab=8, layers=2, seed=3, dtype=torch.float32).model
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.7)
+    target = Target(model, name="tiny-soft", backend="native", weights=fmt)
+    assert target.native.lm_head.kernel.format == fmt
+    drafter = tiny_drafter(target, head="domino", block_size=3, seed=4).to(torch.float32)
+    prompt = [1, 2, 3, 4]
+
+    def run(seed):
+        return generate_speculative(target, drafter, prompt, 3, SamplingConfig(1.0), seed=seed, eos_ids=[])
+
+    seen = assert_matches_target_distribution(run, target, prompt, SamplingConfig(1.0))
+    assert seen["accepted_any"] > 100
+
+
+def test_bf16_dot_product_switch_is_its_own_precision_and_stays_exact(kernels, monkeypatch):
+    """Protects: DOMINOSPEC_BF16_DOT=on runs bf16 weights on AVX512-BF16's dot product where the CPU has it
+    (activations rounded to bf16: another precision, recorded as such) and keeps speculative == plain."""
+    if not kernels.has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16")
+    monkeypatch.setenv(BF16_DOT_SWITCH, "on")
+    t = quant_target("bfloat16")
+    assert t.native.bf16_dot and t.precision == "bfloat16-weights-dot"
+    drafter = tiny_drafter(t, head="domino", block_size=4).to(torch.float32)
+    for prompt in PROMPTS[:2]:
+        ref = generate_autoregressive(t, prompt, 24, eos_ids=[]).tokens
+        assert generate_speculative(t, drafter, prompt, 24, block_size=4, eos_ids=[]).tokens == ref
+
+
+# ----- the format is part of the target's identity -----
+
+
+def test_the_format_keys_profiles_feature_caches_and_data_records(tmp_path, kernels):
+    """Protects: a device profile, a feature cache file and a data set's target record made with one weight
+    format are never read for another; fp32's keys stay what they were before formats existed."""
+    targets = {fmt: quant_target(fmt) for fmt in (None, *FORMATS)}
+    profiles = {device_fingerprint(t)["dtype"] for t in targets.values()}
+    assert profiles == {"float32", "bfloat16-weights", "int8-weights"}
+    paths = {FeatureCache(tmp_path, t).path([0, 1], [1, 2, 3]) for t in targets.values()}
+    assert len(paths) == 3
+    fp32 = targets[None]
+    legacy = [fp32.fingerprint, str(fp32.dtype)]  # the key before weight formats: fp32 caches stay valid
+    key = hashlib.sha256(json.dumps([legacy, [0, 1], [1, 2, 3]]).encode()).hexdigest()[:32]
+    assert FeatureCache(tmp_path, fp32).path([0, 1], [1, 2, 3]).name == f"{key}.safetensors"
+    assert {target_record(t)["target_precision"] for t in targets.values()} == {
+        "float32",
+        "bfloat16-weights",
+        "int8-weights",
+    }
+
+
+def test_data_made_with_another_weight_format_is_refused_by_name(char_model, tmp_path, capsys, kernels):
+    """Protects: a drafter's data records the precision of the target that wrote it (prepare-data --dtype
+    int8), and training on it with a target of another format is refused with a message naming both,
+    unless --allow-other-target; the same format is accepted."""
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi", "ok"])
+    out = tmp_path / "int8-data"
+    argv = ["prepare-data", "--target", str(char_model), "--prompts", str(prompts), "--out", str(out)]
+    argv += ["--max-new-tokens", "8", "--temperature", "0", "--dtype", "int8", "--device", "cpu"]
+    assert cli.main(argv) == 0
+    int8 = Target.load(str(char_model), device="cpu", dtype="int8")
+    fp32 = Target.load(str(char_model), device="cpu")
+    assert int8.precision == "int8-weights" and int8.backend == "native"
+    assert load_dataset_dir(out, int8)[1]
+    with pytest.raises(DominoError, match=r"computing in int8-weights, but this run's target computes in float32"):
+        load_dataset_dir(out, fp32)
+    assert load_dataset_dir(out, fp32, allow_other_target=True)[1]
+
+
+def test_int8_is_refused_where_there_is_no_kernel_path_to_run_it(char_model):
+    """Protects: int8 exists only on the native backend's kernel: --backend hf and families outside the
+    native set are refused with a sentence that names the reason, before or without loading weights."""
+    with pytest.raises(DominoError, match=r"--dtype int8 .*--backend hf"):
+        Target.load(str(char_model), device="cpu", dtype="int8", backend="hf")
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=63)
+    )
+    with pytest.raises(DominoError, match=r"--dtype int8 needs the native backend.*gpt2"):
+        Target(gpt2, name="tiny-gpt2", backend="auto", weights="int8")
+    hf_bf16 = Target.load(str(char_model), device="cpu", dtype="bfloat16", backend="hf")
+    assert hf_bf16.dtype == torch.bfloat16 and hf_bf16.precision == "bfloat16"  # transformers' own bf16
