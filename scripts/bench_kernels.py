@@ -4,12 +4,18 @@ Random weights of the model's shapes (30 layers of qkv 576->960, o 576->576, gat
 down 1536->576, and the LM head 576->49152; ~538 MB fp32). Candidates are interleaved in one
 process (each repeat runs every path at every M), and the median per (path, M) is reported in ms.
 Run pinned: `taskset -c 1 python scripts/bench_kernels.py --threads 1`.
+
+--formats adds the kernel on bf16 / int8 weights (`bfloat16-dot`: bf16 on AVX512-BF16's dot product,
+DOMINOSPEC_BF16_DOT=on) next to fp32, and a second table: GB/s, the bytes each kernel streams (its
+panels, plus int8's column scales) over its median time, to set against the machine's streaming
+bandwidth. `--formats float32,bfloat16,int8,bfloat16-dot --only-kernels` times the kernel alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -17,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dominospec.devices import cpu_model
-from dominospec.targets.kernels import PackedLinear, load_kernels
+from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -28,6 +34,8 @@ def main() -> None:
     ap.add_argument("--max-m", type=int, default=17)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--formats", default="float32", help="kernel weight formats: float32,bfloat16,int8,bfloat16-dot")
+    ap.add_argument("--only-kernels", action="store_true", help="leave out the library paths")
     ap.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -42,14 +50,22 @@ def main() -> None:
     torch.manual_seed(0)
     module = load_kernels()
     weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
-    kernel = [PackedLinear(module, w, None) for w in weights]
+    kernels = {}
+    for fmt in args.formats.split(","):
+        os.environ[BF16_DOT_SWITCH] = "on" if fmt == "bfloat16-dot" else "off"
+        kernels[fmt] = [PackedLinear(module, w, None, fmt.removesuffix("-dot")) for w in weights]
+    os.environ[BF16_DOT_SWITCH] = "off"
+    streamed = {f"kernel-{fmt}": sum(k.nbytes for k in ks) for fmt, ks in kernels.items()}
     onednn_w = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     onednn = torch.ops.mkldnn._linear_pointwise.default
     transposed = [w.t().contiguous() if w.shape[0] > w.shape[1] else None for w in weights]
 
-    def run_kernel(xs):
-        for f, x in zip(kernel, xs):
-            f(x)
+    def run_kernel(ks):
+        def run(xs):
+            for f, x in zip(ks, xs):
+                f(x)
+
+        return run
 
     def run_onednn(xs):
         for p, x in zip(onednn_w, xs):
@@ -63,7 +79,9 @@ def main() -> None:
         for w, x in zip(weights, xs):
             F.linear(x, w)
 
-    paths = {"kernel": run_kernel, "onednn": run_onednn, "m1_path": run_m1, "F.linear": run_flinear}
+    paths = {f"kernel-{fmt}": run_kernel(ks) for fmt, ks in kernels.items()}
+    if not args.only_kernels:
+        paths |= {"onednn": run_onednn, "m1_path": run_m1, "F.linear": run_flinear}
     ms = list(range(1, args.max_m + 1))
     inputs = {m: [torch.randn(m, k) for _, k in SHAPES] for m in ms}
     times = {(p, m): [] for p in paths for m in ms}
@@ -85,6 +103,11 @@ def main() -> None:
     print("|---:|" + "---:|" * len(paths))
     for m in ms:
         print(f"| {m} | " + " | ".join(f"{med[(p, m)]:.1f}" for p in paths) + " |")
+    print(f"\n# GB/s streamed by each kernel ({', '.join(f'{p}: {b / 1e6:.0f} MB' for p, b in streamed.items())})")
+    print("| M | " + " | ".join(streamed) + " |")
+    print("|---:|" + "---:|" * len(streamed))
+    for m in ms:
+        print(f"| {m} | " + " | ".join(f"{streamed[p] / med[(p, m)] / 1e6:.1f}" for p in streamed) + " |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({f"{p}@{m}": v for (p, m), v in med.items()}, fh, indent=1)
