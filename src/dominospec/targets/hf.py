@@ -481,7 +481,8 @@ class Target:
         `tiny/`, `tiny` and /abs/path/tiny are one model; two models saved at one path are two. It
         covers the architecture numbers of the config, the tokenizer, and the sign bits of a strided
         sample of every weight tensor: signs survive casting to bf16/fp16 exactly, so the same
-        weights loaded in another dtype keep their fingerprint.
+        weights loaded in another dtype keep their fingerprint. A weight format (--dtype int8) is
+        applied after it is taken: identities record the format beside it (`precision`).
         """
         cfg = self.model.config
         keys = (

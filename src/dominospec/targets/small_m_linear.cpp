@@ -22,8 +22,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define DOMINOSPEC_BF16_DOT 1
 #endif
 
@@ -54,6 +56,7 @@ typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
 typedef int8_t vb __attribute__((vector_size(VW * sizeof(int8_t))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
 
 // How VW packed weights become VW fp32 lanes, one struct per storage format.
 struct F32 {
@@ -65,24 +68,42 @@ struct F32 {
   }
 };
 
+// The widening loads below use AVX-512 / AVX2 intrinsics where the ISA has them: GCC lowers the
+// generic vector conversions of a 16-bit or 8-bit vector poorly (split or scalarised).
 struct BF16 {  // bf16 is the top half of an fp32: zero-extend to 32 bits and shift up
   using T = uint16_t;
   static inline vf widen(const uint16_t* p) {
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(__AVX2__)
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
     vh h;
     std::memcpy(&h, p, sizeof(vh));
     const vu u = __builtin_convertvector(h, vu) << 16;
     vf v;
     std::memcpy(&v, &u, sizeof(vf));
     return v;
+#endif
   }
 };
 
 struct I8 {  // an int8 is exactly an fp32; the column's scale comes after the sum
   using T = int8_t;
   static inline vf widen(const int8_t* p) {
+#if defined(__AVX512F__)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#else
     vb b;
     std::memcpy(&b, p, sizeof(vb));
-    return __builtin_convertvector(b, vf);
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);  // sign-extend, then convert
+#endif
   }
 };
 
