@@ -328,3 +328,71 @@ def test_near_tie_check_accepts_the_target_and_catches_a_real_divergence(llama_t
     ).logits[0, -1]
     worst = int(logits.argmin())  # far below the argmax: no rounding explains choosing it
     assert runner.not_near_tie(llama_target, prompt, tokens[:4] + [worst] + tokens[5:]) >= 1
+
+
+# ----- the peer: llama.cpp through llama-cpp-python (optional; a stand-in module where it is not installed) -----
+
+
+def test_llamacpp_is_skipped_with_a_note_when_llama_cpp_python_is_missing(llama_target, monkeypatch):
+    monkeypatch.setattr(bench_methods, "llamacpp_available", lambda: False)
+    methods, notes = bench_methods.build_methods(["ar", "llamacpp"], target=llama_target)
+    assert [m.name for m in methods] == ["ar"]
+    assert any("llamacpp: skipped" in n and "llama-cpp-python is not installed" in n for n in notes)
+
+
+def fake_llama_cpp(vocab: int, made: list):
+    """A stand-in llama_cpp module: Llama.generate yields 3, 4, 5, ... whatever the prompt."""
+    import importlib.machinery
+    import types
+
+    class Llama:
+        def __init__(self, model_path, n_ctx, n_threads, draft_model, verbose):
+            made.append({"path": model_path, "threads": n_threads, "draft": draft_model})
+
+        def n_vocab(self):
+            return vocab
+
+        def set_seed(self, seed):
+            pass
+
+        def generate(self, tokens, temp, top_k, top_p, reset):
+            assert reset and temp == 0.0 and isinstance(tokens, list)
+            yield from range(3, 10**6)
+
+    class LlamaPromptLookupDecoding:
+        def __init__(self, num_pred_tokens):
+            self.num_pred_tokens = num_pred_tokens
+
+    module = types.ModuleType("llama_cpp")
+    module.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    module.Llama = Llama
+    speculative = types.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = LlamaPromptLookupDecoding
+    return module, speculative
+
+
+def test_llamacpp_rows_run_beside_ours_and_are_not_held_to_ar(llama_target, tmp_path, monkeypatch):
+    """Protects: `--methods ar,llamacpp --gguf FILE` adds llama.cpp plain and prompt-lookup rows, timed on the same
+    prompts and budget, stopping at the budget; their outputs (another model's numerics) are not compared with
+    ar, so the run's losslessness is still judged on dominospec's methods alone."""
+    import sys
+
+    made = []
+    module, speculative = fake_llama_cpp(llama_target.vocab_size, made)
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    methods, notes = bench_methods.build_methods(["ar", "llamacpp"], target=llama_target, gguf=str(gguf))
+    assert [m.name for m in methods] == ["ar", "llamacpp", "llamacpp-pld"]
+    assert any("not compared with ar" in n for n in notes)
+    runner.benchmark(llama_target, DATASETS, methods, tmp_path / "out", max_new_tokens=5, progress=False)
+    res = json.loads((tmp_path / "out" / "results.json").read_text())["methods"]
+    assert res["ar"]["lossless_mismatches"] == 0
+    assert res["llamacpp"]["lossless_mismatches"] is None and res["llamacpp"]["new_tokens"] == 5 * 3
+    assert [m["draft"] is not None for m in made] == [False, True] and made[0]["path"] == str(gguf)
+    with pytest.raises(DominoError, match="no such file"):
+        bench_methods.build_methods(["llamacpp"], target=llama_target, gguf=str(tmp_path / "missing.gguf"))
+    module.Llama.n_vocab = lambda self: 7
+    with pytest.raises(DominoError, match="vocabulary of 7 tokens"):
+        bench_methods.LlamaCpp(gguf=str(gguf)).model(llama_target)

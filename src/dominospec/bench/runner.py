@@ -111,9 +111,15 @@ def run_benchmark(
 
 
 def summarize_benchmark(
-    runs: Sequence[PromptRun], method_names: Sequence[str], dataset_names: Sequence[str], compare_outputs: bool
+    runs: Sequence[PromptRun],
+    method_names: Sequence[str],
+    dataset_names: Sequence[str],
+    compare_outputs: bool,
+    uncompared: Sequence[str] = (),
 ) -> dict:
-    """{"methods": {NAME: summary}, "per_dataset": {DATASET: {NAME: summary}}} (metrics.summarize)."""
+    """{"methods": {NAME: summary}, "per_dataset": {DATASET: {NAME: summary}}} (metrics.summarize).
+
+    uncompared: methods whose outputs are not held to ar's (the llama.cpp peer: other weights)."""
     ref_tokens = (
         {(r.dataset, r.prompt_index): r.tokens for r in runs if r.method == REFERENCE} if compare_outputs else None
     )
@@ -122,7 +128,10 @@ def summarize_benchmark(
         ref = [r for r in selected if r.method == REFERENCE]
         ref_tps = tokens_per_second((r.new_tokens for r in ref), (r.total_s for r in ref)) if ref else None
         return {
-            name: summarize([r for r in selected if r.method == name], ref_tps, ref_tokens) for name in method_names
+            name: summarize(
+                [r for r in selected if r.method == name], ref_tps, None if name in uncompared else ref_tokens
+            )
+            for name in method_names
         }
 
     overall = group(list(runs))
@@ -169,7 +178,8 @@ def benchmark(
             f"T={sampling.temperature} > 0: outputs are not compared with ar (lossless_mismatches is "
             "null); distribution preservation is tested in tests/test_core.py"
         )
-    summary = summarize_benchmark(runs, [m.name for m in methods], list(datasets), compare)
+    uncompared = [m.name for m in methods if not m.compared]
+    summary = summarize_benchmark(runs, [m.name for m in methods], list(datasets), compare, uncompared)
     if compare and target.dtype not in (torch.float32, torch.float64):
         # reduced precision: a mismatch is acceptable only where the target itself was near a tie
         for name, m in summary["methods"].items():

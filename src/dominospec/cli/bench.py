@@ -112,6 +112,7 @@ def cmd_bench(args) -> int:
         threshold=args.confidence_threshold,
         lookup_min_match=args.lookup_min_match,
         greedy=sampling.greedy,
+        gguf=args.gguf,
     )
     for n in notes:
         log(n)
@@ -247,7 +248,14 @@ def add_parser(sub) -> None:
         default=DEFAULT_METHODS,
         help="comma list of ar, hf, pld, drafters, ablation (drafters without their head), lookup "
         "(prompt lookup alone, on the native path), hybrid (each drafter + prompt lookup), sweep "
-        "(each drafter at every smaller fixed block size) (default %(default)s)",
+        "(each drafter at every smaller fixed block size), llamacpp (llama.cpp through llama-cpp-python on "
+        "--gguf: plain and its prompt lookup; skipped when not installed) (default %(default)s)",
+    )
+    p.add_argument(
+        "--gguf",
+        default=None,
+        metavar="FILE",
+        help="the GGUF the llamacpp method decodes (default: for the bundled target, the Q4_1 file it ships)",
     )
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
