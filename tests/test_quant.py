@@ -168,6 +168,27 @@ def test_the_format_is_its_own_model_close_to_fp32(fmt, kernels):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_without_the_kernel_the_format_is_the_same_model_on_library_paths(fmt, kernels, monkeypatch):
+    """Protects: where the kernel cannot be built (DOMINOSPEC_KERNELS=off stands in for no compiler), a
+    bf16 / int8 target still computes the format's model (fp32 library GEMMs on its values), so a data
+    set or profile keyed by the format means the same model on either path."""
+    from dominospec.targets import kernels as kernels_module
+
+    ids = torch.tensor([PROMPTS[3]])
+    with_kernel = quant_target(fmt)
+    monkeypatch.setenv(kernels_module.ENV_SWITCH, "off")
+    kernels_module.reset_kernels()
+    try:
+        library = quant_target(fmt)
+        assert library.native.lm_head.kernel is None and library.precision == with_kernel.precision
+        a = with_kernel.forward(ids, with_kernel.new_cache(), with_features=False).logits
+        b = library.forward(ids, library.new_cache(), with_features=False).logits
+        assert (a - b).abs().max().item() < 1e-4
+    finally:
+        kernels_module.reset_kernels()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_greedy_speculative_equals_greedy_plain_of_the_same_format(fmt, kernels):
     """Protects: with bf16 / int8 weights, greedy speculative decoding (drafter at every block size, prompt
     lookup, the hybrid) is token for token the plain greedy output of that format."""

@@ -129,7 +129,8 @@ class Linear(nn.Module):
             return
         if weight_format in WEIGHT_ONLY:  # no kernel: the format's values, fp32 library paths
             log_once(f"{weight_format} weights without the small-row kernel: the same model, at fp32's speed")
-            weight = self.weight = format_values(weight, weight_format)
+            weight = format_values(weight, weight_format)
+            self.weight = nn.Parameter(weight, requires_grad=False)  # the slot may hold a shared HF Parameter
         if _packing_available():
             self.onednn = torch.ops.mkldnn._linear_pointwise.default  # the overload: ~10 us/call less
             with torch.no_grad():
