@@ -8,7 +8,8 @@ Run pinned: `taskset -c 1 python scripts/bench_kernels.py --threads 1`.
 --formats adds the kernel on bf16 / int8 weights (`bfloat16-dot`: bf16 on AVX512-BF16's dot product,
 DOMINOSPEC_BF16_DOT=on) next to fp32, and a second table: GB/s, the bytes each kernel streams (its
 panels, plus int8's column scales) over its median time, to set against the machine's streaming
-bandwidth. `--formats float32,bfloat16,int8,bfloat16-dot --only-kernels` times the kernel alone.
+bandwidth (the `read` column: torch.sum over a buffer of the fp32 weights' size, same threads).
+`--formats float32,bfloat16,int8,bfloat16-dot --only-kernels` times the kernels (and `read`) alone.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def main() -> None:
         kernels[fmt] = [PackedLinear(module, w, None, fmt.removesuffix("-dot")) for w in weights]
     os.environ[BF16_DOT_SWITCH] = "off"
     streamed = {f"kernel-{fmt}": sum(k.nbytes for k in ks) for fmt, ks in kernels.items()}
+    # the machine's streaming bandwidth on the same thread count: one read of a buffer as large as the fp32 weights
+    buffer = torch.ones(sum(n * k for n, k in SHAPES))
+    streamed["read"] = buffer.numel() * 4
     onednn_w = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     onednn = torch.ops.mkldnn._linear_pointwise.default
     transposed = [w.t().contiguous() if w.shape[0] > w.shape[1] else None for w in weights]
@@ -80,6 +84,7 @@ def main() -> None:
             F.linear(x, w)
 
     paths = {f"kernel-{fmt}": run_kernel(ks) for fmt, ks in kernels.items()}
+    paths["read"] = lambda xs: buffer.sum()  # the same bytes whatever M
     if not args.only_kernels:
         paths |= {"onednn": run_onednn, "m1_path": run_m1, "F.linear": run_flinear}
     ms = list(range(1, args.max_m + 1))
