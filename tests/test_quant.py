@@ -337,3 +337,5 @@ def test_int8_is_refused_where_there_is_no_kernel_path_to_run_it(char_model):
         Target(gpt2, name="tiny-gpt2", backend="auto", weights="int8")
     hf_bf16 = Target.load(str(char_model), device="cpu", dtype="bfloat16", backend="hf")
     assert hf_bf16.dtype == torch.bfloat16 and hf_bf16.precision == "bfloat16"  # transformers' own bf16
+    native_bf16 = Target(llama_fp32().to(torch.bfloat16), backend="native")  # a bf16 model, as on a GPU
+    assert native_bf16.native is not None and native_bf16.precision == "bfloat16"

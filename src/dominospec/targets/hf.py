@@ -73,19 +73,18 @@ class Target:
         self.native: NativeModel | None = None
         self.backend_note: str | None = None  # why a requested native backend is not used
         why = native_support(model) if backend in ("auto", "native") else "--backend hf"
-        self.weight_format = self._apply_weights(weights, why)
+        self.weight_only = self._apply_weights(weights, why)  # bfloat16 / int8 with fp32 activations, or None
         if why is None:
-            self.native = NativeModel.from_hf(model, self.weight_format)
+            self.native = NativeModel.from_hf(model, self.weight_only or "float32")
         elif backend == "native":
             self.backend_note = f"target {name!r} runs on the transformers path: {why}"
 
-    def _apply_weights(self, weights: str | None, why_not_native: str | None) -> str:
-        """Round the weights to a weight-only format (in place); the format the target then computes in.
+    def _apply_weights(self, weights: str | None, why_not_native: str | None) -> str | None:
+        """Round the weights to a weight-only format in place and return it; None: the model computes in its dtype.
 
         Without the native backend, int8 is refused and bfloat16 means the whole model in bf16."""
-        plain = str(self.dtype).replace("torch.", "")
-        if weights in (None, plain):
-            return plain
+        if weights in (None, str(self.dtype).replace("torch.", "")):
+            return None
         if weights not in WEIGHT_ONLY:
             raise DominoError(f"weights {weights!r} is not a weight-only format ({', '.join(WEIGHT_ONLY)})")
         if why_not_native is not None:
@@ -95,7 +94,7 @@ class Target:
                     f"{self.name!r} runs on transformers: {why_not_native}"
                 )
             self.model.to(torch.bfloat16)  # transformers' bf16, activations included
-            return "bfloat16"
+            return None
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise DominoError(f"{weights} weights need an fp32 model on the CPU, got {self.dtype} on {self.device}")
         _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rounded
@@ -103,12 +102,16 @@ class Target:
         return weights
 
     @property
+    def weight_format(self) -> str:
+        """The weights' format: the weight-only format, else the model's dtype ("float32", "bfloat16", ...)."""
+        return self.weight_only or str(self.dtype).replace("torch.", "")
+
+    @property
     def precision(self) -> str:
         """How this target computes, as identities record it (device profile, data, feature caches):
         "float32", "bfloat16", ... for a plain model; "bfloat16-weights", "int8-weights" for fp32
         activations on weights of that format ("-dot": bf16 on the CPU's bf16 dot product)."""
-        weight_only = self.weight_format if self.weight_format in WEIGHT_ONLY and self.native is not None else None
-        return precision_label(self.dtype, weight_only, self.native is not None and self.native.bf16_dot)
+        return precision_label(self.dtype, self.weight_only, self.native is not None and self.native.bf16_dot)
 
     @property
     def backend(self) -> str:
