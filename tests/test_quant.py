@@ -26,7 +26,14 @@ from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kerne
 from dominospec.targets.quant import dequantize_int8, format_values, quantize_int8
 
 FORMATS = ["bfloat16", "int8"]
-SHAPES = [(1, 1), (5, 3), (33, 17), (100, 37), (70, 64)]  # N ragged against the panel width, K odd
+SHAPES = [
+    (1, 1),
+    (5, 3),
+    (33, 17),
+    (100, 37),
+    (70, 64),
+    (40, 150),
+]  # N ragged against the panel width, K odd, int8 groups ragged
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +102,27 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_share_the_call(bias, ker
                 assert torch.equal(lin(shuffled)[3], batch[r])
 
 
-def test_int8_is_symmetric_per_output_channel_and_idempotent():
-    """Protects: q in -127..127, each channel's largest weight maps to +-127, the error is at most half a
-    step, an all-zero row stays zero, and quantising the dequantised weights gives them back (so the model
-    rounded in place and the kernel's packed copy are one model)."""
+def test_int8_is_symmetric_per_output_channel_and_group_and_idempotent():
+    """Protects: q in -127..127, each (channel, group)'s largest weight maps to +-127, the error is at most
+    half a step of its own group's scale, a ragged last group and an all-zero group work, and quantising the
+    dequantised weights gives them back (so the model rounded in place and the kernel's copy are one model)."""
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(40, 33, generator=g) * torch.logspace(-4, 1, 40)[:, None]
-    w[7] = 0.0
-    q, scale = quantize_int8(w)
-    assert q.dtype == torch.int8 and scale.shape == (40,) and int(q.abs().max()) == 127
-    assert bool((q.abs().amax(1)[torch.arange(40) != 7] == 127).all()) and int(q[7].abs().max()) == 0
-    back = dequantize_int8(q, scale)
-    assert bool(((back - w).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all())
-    q2, scale2 = quantize_int8(back)
-    assert torch.equal(q2, q) and torch.equal(dequantize_int8(q2, scale2), back)
+    w = torch.randn(40, 150, generator=g) * torch.logspace(-4, 1, 40)[:, None]  # groups of 64, 64, 22
+    w[:, 64:128] *= 20.0  # one loud group: the quiet ones keep their own resolution
+    w[7, :64] = 0.0
+    q, scale = quantize_int8(w, 64)
+    assert q.dtype == torch.int8 and scale.shape == (40, 3) and int(q.abs().max()) == 127
+    groups = [slice(0, 64), slice(64, 128), slice(128, 150)]
+    back = dequantize_int8(q, scale, 64)
+    for j, cols in enumerate(groups):
+        peak = q[:, cols].abs().amax(1)
+        assert bool((peak[torch.arange(40) != 7] == 127).all()) if j == 0 else bool((peak == 127).all())
+        assert bool(((back - w)[:, cols].abs() <= scale[:, j : j + 1] / 2 * (1 + 1e-6)).all())
+    assert int(q[7, :64].abs().max()) == 0 and float(scale[7, 0]) == 1.0
+    one_scale_per_row = dequantize_int8(*quantize_int8(w, 150), 150)  # the loud group sets every step
+    assert (back - w)[:, :64].abs().max() < (one_scale_per_row - w)[:, :64].abs().max() / 5
+    q2, scale2 = quantize_int8(back, 64)
+    assert torch.equal(q2, q) and torch.equal(dequantize_int8(q2, scale2, 64), back)
     assert torch.equal(format_values(format_values(w, "bfloat16"), "bfloat16"), format_values(w, "bfloat16"))
 
 

@@ -142,24 +142,22 @@ def kernel_format(module, weight_format: str) -> str:
 class PackedLinear:
     """W packed into the kernel's panels once; y = x @ W^T + b for x [..., K] with few rows.
 
-    weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes) or int8 (per
-    output channel, quant.quantize_int8: a quarter of the bytes, plus one fp32 scale per column).
+    weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes) or int8
+    (quant.quantize_int8: a quarter of the bytes, plus an fp32 scale per column and INT8_GROUP inputs).
     Activations and accumulation stay fp32 (bf16 dot product: activations rounded to bf16 too).
     """
 
     def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str = "float32"):
-        from .quant import quantize_int8
+        from .quant import INT8_GROUP, quantize_int8
 
         self.module = module
         self.out_features = weight.shape[0]
         self.format = kernel_format(module, weight_format)
-        w, self.scale = weight.detach().float().contiguous(), None
+        w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
         if self.format == "int8":
-            q, scale = quantize_int8(w)  # [N, K] integer-valued, [N]
-            w = q.float()
-            width = module.panel_width()
-            self.scale = torch.zeros(-(-self.out_features // width) * width)  # padded to whole panels
-            self.scale[: self.out_features] = scale
+            q, scale = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G]
+            w, self.group = q.float(), INT8_GROUP
+            self.scale = module.pack(scale, "float32")  # [P, G, NR]: a panel's scales beside its weights
         self.panels = module.pack(w, self.format)  # [ceil(N / NR), K, NR] (pairs: [.., ceil(K / 2), NR, 2])
         self.bias = None if bias is None else bias.detach().contiguous()
 
@@ -173,11 +171,11 @@ class PackedLinear:
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        y = self.module.linear(rows, self.panels, self.bias, self.scale, self.out_features)  # [M, N]
+        y = self.module.linear(rows, self.panels, self.bias, self.scale, self.group, self.out_features)  # [M, N]
         return y.view(*x.shape[:-1], self.out_features)
 
     def after_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """linear(silu(gate) * up) for gate_up [..., 2I] = [gate | up], the activation fused in."""
         rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
-        y = self.module.linear_silu_mul(rows, self.panels, self.bias, self.scale, self.out_features)  # [M, N]
+        y = self.module.linear_silu_mul(rows, self.panels, self.bias, self.scale, self.group, self.out_features)
         return y.view(*gate_up.shape[:-1], self.out_features)

@@ -7,8 +7,9 @@
 // done in further groups while the panel is still in L2.
 //
 // Weight formats (the packed tensor's dtype says which): float32; bfloat16 (half the bytes, widened
-// to fp32 in registers by a 16-bit shift: exact); int8 with one fp32 scale per output column (a
-// quarter of the bytes, widened exactly to fp32, the column's scale applied once after the sum).
+// to fp32 in registers by a 16-bit shift: exact); int8 with one fp32 scale per output column and
+// group of G consecutive k (about a quarter of the bytes: each group's sum of exact int8 x fp32
+// products is kept apart and added to the total times its scale, one FMA, when the group ends).
 // Activations and accumulation are fp32 in all three. Optionally, where the CPU has AVX512-BF16,
 // bfloat16 weights packed in k-pairs run on the native bf16 dot product (vdpbf16ps), which also
 // rounds the activations to bf16 (per row, the same whatever the batch).
@@ -90,7 +91,7 @@ struct BF16 {  // bf16 is the top half of an fp32: zero-extend to 32 bits and sh
   }
 };
 
-struct I8 {  // an int8 is exactly an fp32; the column's scale comes after the sum
+struct I8 {  // an int8 is exactly an fp32; the group's scale comes after the group's sum
   using T = int8_t;
   static inline vf widen(const int8_t* p) {
 #if defined(__AVX512F__)
@@ -112,15 +113,12 @@ inline void prefetch_row(const void* row, int bytes) {
   for (int b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
-// acc [R][NV] -> y rows: times the column scales (int8), plus the bias, only the ncols real columns
+// acc [R][NV] -> y rows, plus the bias, only the ncols real columns
 template <int R>
-inline void store(vf (&acc)[R][NV], float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
-                  const float* __restrict scale) {
+inline void store(vf (&acc)[R][NV], float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias) {
   for (int r = 0; r < R; ++r) {
     alignas(64) float out[NR];
     std::memcpy(out, acc[r], sizeof(out));
-    if (scale != nullptr)
-      for (int j = 0; j < NR; ++j) out[j] *= scale[j];  // scale points at NR padded columns
     float* yr = y + r * ldy;
     if (bias != nullptr)
       for (int64_t j = 0; j < ncols; ++j) yr[j] = out[j] + bias[j];
@@ -131,8 +129,7 @@ inline void store(vf (&acc)[R][NV], float* __restrict y, int64_t ldy, int64_t nc
 
 template <typename Fmt, int R>
 void panel(const float* __restrict x, int64_t ldx, const typename Fmt::T* __restrict wp, int64_t K,
-           float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
-           const float* __restrict scale) {
+           float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, const float*, int64_t) {
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
@@ -146,7 +143,38 @@ void panel(const float* __restrict x, int64_t ldx, const typename Fmt::T* __rest
       for (int v = 0; v < NV; ++v) acc[r][v] += w[v] * xs;  // contracted to one FMA
     }
   }
-  store<R>(acc, y, ldy, ncols, bias, scale);
+  store<R>(acc, y, ldy, ncols, bias);
+}
+
+// int8 panel with scales [ceil(K / G)][NR]: per group, R x NV partial sums, then acc += part * scale.
+// Twice the accumulators of panel<>, so at most MR_I8 rows per group.
+template <int R>
+void panel_i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict wp, int64_t K, float* __restrict y,
+              int64_t ldy, int64_t ncols, const float* __restrict bias, const float* __restrict scale, int64_t G) {
+  vf acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    vf part[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) part[r][v] = vf{};
+    const int64_t k1 = std::min(K, k0 + G);
+    for (int64_t k = k0; k < k1; ++k) {
+      const int8_t* wk = wp + k * NR;
+      prefetch_row(wk + PREFETCH * NR, NR);
+      vf w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = I8::widen(wk + v * VW);
+      for (int r = 0; r < R; ++r) {
+        const float xs = x[r * ldx + k];
+        for (int v = 0; v < NV; ++v) part[r][v] += w[v] * xs;  // one FMA
+      }
+    }
+    vf sg[NV];
+    for (int v = 0; v < NV; ++v) sg[v] = F32::widen(scale + g * NR + v * VW);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) acc[r][v] += part[r][v] * sg[v];  // one FMA
+  }
+  store<R>(acc, y, ldy, ncols, bias);
 }
 
 #ifdef DOMINOSPEC_BF16_DOT
@@ -173,14 +201,14 @@ void panel_dot(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __rest
   }
   vf out[R][NV];
   std::memcpy(out, acc, sizeof(out));
-  store<R>(out, y, ldy, ncols, bias, nullptr);
+  store<R>(out, y, ldy, ncols, bias);
 }
 #endif
 
-// One row group through one panel: (x rows, ldx, panel, K, y, ldy, ncols, bias, scale)
+// One row group through one panel: (x rows, ldx, panel, K, y, ldy, ncols, bias, int8 scales, int8 group)
 template <typename X, typename T>
 using PanelFn = void (*)(const X*, int64_t, const T*, int64_t, float*, int64_t, int64_t, const float*,
-                         const float*);
+                         const float*, int64_t);
 
 template <typename Fmt, int... Rs>
 constexpr auto make_table(std::integer_sequence<int, Rs...>) {
@@ -188,12 +216,18 @@ constexpr auto make_table(std::integer_sequence<int, Rs...>) {
 }
 const auto PANELS_F32 = make_table<F32>(std::make_integer_sequence<int, MR>{});
 const auto PANELS_BF16 = make_table<BF16>(std::make_integer_sequence<int, MR>{});
-const auto PANELS_I8 = make_table<I8>(std::make_integer_sequence<int, MR>{});
+constexpr int MR_I8 = MR / 2;  // panel_i8 holds two sets of accumulators
+
+template <int... Rs>
+constexpr auto make_i8_table(std::integer_sequence<int, Rs...>) {
+  return std::array<PanelFn<float, int8_t>, sizeof...(Rs)>{&panel_i8<Rs + 1>...};
+}
+const auto PANELS_I8 = make_i8_table(std::make_integer_sequence<int, MR_I8>{});
 
 #ifdef DOMINOSPEC_BF16_DOT
 template <int R>
 void panel_dot_fn(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t K2, float* y, int64_t ldy,
-                  int64_t ncols, const float* bias, const float*) {
+                  int64_t ncols, const float* bias, const float*, int64_t) {
   panel_dot<R>(x, ldx, wp, K2, y, ldy, ncols, bias);
 }
 template <int... Rs>
@@ -204,12 +238,12 @@ const auto PANELS_DOT = make_dot_table(std::make_integer_sequence<int, MR>{});
 #endif
 
 // Work items: (panel, chunk of at most CHUNK rows), consecutive items sharing a panel, so prefill's
-// many rows spread over threads too; each chunk is split into balanced row groups. The row grouping
-// changes which rows share registers, never the order of any row's sum.
+// many rows spread over threads too; each chunk is split into balanced row groups of at most NT rows.
+// The row grouping changes which rows share registers, never the order of any row's sum.
 template <typename X, typename T, size_t NT>
 void run_panels(const std::array<PanelFn<X, T>, NT>& panels, const X* xp, int64_t ldx, const T* wp,
                 int64_t panel_elems, int64_t Kp, float* yp, int64_t M, int64_t N, int64_t P, const float* b,
-                const float* scale) {
+                const float* scale = nullptr, int64_t scale_elems = 0, int64_t group = 0) {
   const int64_t chunks = (M + CHUNK - 1) / CHUNK;
   at::parallel_for(0, P * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -217,12 +251,12 @@ void run_panels(const std::array<PanelFn<X, T>, NT>& panels, const X* xp, int64_
       const int64_t col = p * NR, ncols = std::min<int64_t>(NR, N - col);
       const T* w = wp + p * panel_elems;
       const int64_t first = c * CHUNK, rows_here = std::min<int64_t>(CHUNK, M - first);
-      const int64_t groups = (rows_here + MR - 1) / MR;
+      const int64_t groups = (rows_here + NT - 1) / NT;
       int64_t m0 = first;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t rows = (first + rows_here - m0) / (groups - g);
         panels[rows - 1](xp + m0 * ldx, ldx, w, Kp, yp + m0 * N + col, N, ncols, b ? b + col : nullptr,
-                         scale ? scale + col : nullptr);
+                         scale ? scale + p * scale_elems : nullptr, group);
         m0 += rows;
       }
     }
@@ -253,7 +287,7 @@ bool has_bf16_dot() {
 
 torch::Tensor pack(const torch::Tensor& weight, const std::string& format) {
   // [N, K] float32 -> panels [ceil(N / NR), K, NR] of float32, bfloat16 (rounded to nearest even) or
-  // int8 (the values must already be integers in -127..127; the caller keeps the column scales);
+  // int8 (the values must already be integers in -127..127; the caller packs the scales);
   // "bfloat16_pairs" -> [ceil(N / NR), ceil(K / 2), NR, 2] bfloat16 for the dot-product kernel.
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: weight must be a 2-D float32 tensor");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
@@ -278,9 +312,9 @@ torch::Tensor pack(const torch::Tensor& weight, const std::string& format) {
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                     const c10::optional<torch::Tensor>& scale, int64_t N) {
-  // x [M, K] float32 contiguous; packed from pack(); bias [N] or None; scale [P * NR] (int8: the
-  // column scales, padded) or None -> [M, N]
+                     const c10::optional<torch::Tensor>& scale, int64_t group, int64_t N) {
+  // x [M, K] float32 contiguous; packed from pack(); bias [N] or None; int8 only: scale
+  // [P, ceil(K / group), NR] float32 (one per padded column and group of `group` k) -> [M, N]
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
   const bool pairs = packed.dim() == 4;
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
@@ -295,8 +329,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   }
   const float* s = nullptr;
   if (scale.has_value() && scale->defined()) {
-    TORCH_CHECK(scale->numel() == P * NR && scale->is_contiguous() && scale->scalar_type() == at::kFloat,
-                "scale must be [P * NR] float32");
+    TORCH_CHECK(group > 0, "int8 scales need a group size");
+    TORCH_CHECK(scale->dim() == 3 && scale->size(0) == P && scale->size(1) == (K + group - 1) / group &&
+                    scale->size(2) == NR && scale->is_contiguous() && scale->scalar_type() == at::kFloat,
+                "scale must be [P, ceil(K / group), NR] float32");
     s = scale->data_ptr<float>();
   }
   auto y = torch::empty({M, N}, x.options());
@@ -311,20 +347,21 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
     xb.narrow(1, 0, K).copy_(x);
     const auto* xbp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
     const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    run_panels(PANELS_DOT, xbp, 2 * K2, wp, K2 * NR * 2, K2, yp, M, N, P, b, nullptr);
+    run_panels(PANELS_DOT, xbp, 2 * K2, wp, K2 * NR * 2, K2, yp, M, N, P, b);
     return y;
 #else
     TORCH_CHECK(false, "this build has no bf16 dot product (AVX512-BF16)");
 #endif
   }
   if (dtype == at::kFloat) {
-    run_panels(PANELS_F32, xp, K, packed.data_ptr<float>(), K * NR, K, yp, M, N, P, b, s);
+    run_panels(PANELS_F32, xp, K, packed.data_ptr<float>(), K * NR, K, yp, M, N, P, b);
   } else if (dtype == at::kBFloat16) {
     const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-    run_panels(PANELS_BF16, xp, K, wp, K * NR, K, yp, M, N, P, b, s);
+    run_panels(PANELS_BF16, xp, K, wp, K * NR, K, yp, M, N, P, b);
   } else if (dtype == at::kChar) {
-    TORCH_CHECK(s != nullptr, "int8 panels need their column scales");
-    run_panels(PANELS_I8, xp, K, packed.data_ptr<int8_t>(), K * NR, K, yp, M, N, P, b, s);
+    TORCH_CHECK(s != nullptr, "int8 panels need their scales");
+    const int64_t groups = (K + group - 1) / group;
+    run_panels(PANELS_I8, xp, K, packed.data_ptr<int8_t>(), K * NR, K, yp, M, N, P, b, s, groups * NR, group);
   } else {
     TORCH_CHECK(false, "packed weights of dtype ", dtype, " are not a kernel format");
   }
@@ -333,7 +370,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
 
 torch::Tensor linear_silu_mul(const torch::Tensor& gate_up, const torch::Tensor& packed,
                               const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
-                              int64_t N) {
+                              int64_t group, int64_t N) {
   // gate_up [M, 2I] float32 contiguous -> linear(silu(gate) * up): the MLP's down projection, with the
   // activation computed here instead of in three tensor ops
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous(),
@@ -341,7 +378,7 @@ torch::Tensor linear_silu_mul(const torch::Tensor& gate_up, const torch::Tensor&
   const int64_t I = gate_up.size(1) / 2;
   // ATen's vectorised silu, called from here: no Python dispatch, no chunk
   auto act = at::silu(gate_up.narrow(1, 0, I)).mul_(gate_up.narrow(1, I, I));  // [M, I] contiguous
-  return linear(act, packed, bias, scale, N);
+  return linear(act, packed, bias, scale, group, N);
 }
 
 torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t heads) {
