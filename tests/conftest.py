@@ -3,12 +3,14 @@ in float64 so argmax ties cannot flip; tiny drafters; the char-level chat models
 for distribution tests; the CLI runners; the session's one copy of the bundled SmolLM2.
 """
 
+import contextlib
 import itertools
 import json
 import math
 import os
 import random
 import string
+import threading
 import time
 from pathlib import Path
 
@@ -157,6 +159,30 @@ def paced_engine(target: Target, pause: float, **engine_kw):
             return super().step()
 
     return PacedEngine(target, **engine_kw)
+
+
+@contextlib.contextmanager
+def running_server(target, pause: float = 0.0, request_timeout: float = 30.0, api_key=None, **engine_kw):
+    """A server in a thread on a free loopback port; yields (base URL, engine); stopped on exit.
+    pause > 0: the engine sleeps that long before every step (see paced_engine)."""
+    from dominospec.engine import Engine
+    from dominospec.serve import ServeConfig, free_port, make_server
+
+    engine = paced_engine(target, pause, **engine_kw) if pause else Engine(target, **engine_kw)
+    config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
+    server = make_server(engine, target, config, port=free_port())
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}", engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import transformers
 from conftest import (
     assert_matches_target_distribution,
+    running_server,
     tiny_chat_target,
     tiny_drafter,
     tiny_target,
@@ -234,35 +235,19 @@ def test_engine_gives_every_greedy_request_its_plain_output_in_the_format(fmt, k
 def test_server_answers_greedy_chat_with_the_formats_plain_output(fmt, kernels):
     """Protects: the OpenAI-compatible server over a speculative engine (drafter + prompt lookup), with
     bf16 / int8 weights, answers a T=0 chat with the text plain decoding of that format writes."""
-    import threading
-    import time
-
     import openai
-
-    from dominospec.serve import ServeConfig, free_port, make_server
 
     chat = tiny_chat_target(backend="hf")
     t = Target(chat.model, chat.tokenizer, name="tiny-chat", backend="native", weights=fmt)
     drafter = tiny_drafter(t, head="domino", block_size=4).to(torch.float32)
-    engine = Engine(t, drafter, lookup=True, policy="fixed", max_batch=2)
-    server = make_server(engine, t, ServeConfig(model_name=t.name), port=free_port())
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.config.port}/v1", api_key="none", max_retries=0)
+    with running_server(t, drafter=drafter, lookup=True, policy="fixed", max_batch=2) as (base, engine):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         for text in ("Tell me about the sea.", "abcabcabc"):
             messages = [{"role": "user", "content": text}]
             plain = generate_autoregressive(t, t.encode_chat(messages), 24, eos_ids=t.eos_ids).tokens
             r = client.chat.completions.create(model=t.name, messages=messages, max_tokens=24, temperature=0)
             assert r.choices[0].message.content == t.decode(plain)
         assert engine.stats()["requests_finished"] == 2
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
 
 
 @pytest.mark.slow

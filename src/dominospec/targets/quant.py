@@ -63,7 +63,7 @@ def format_values(w: torch.Tensor, weight_format: str) -> torch.Tensor:
     if weight_format == "bfloat16":
         return w.detach().to(torch.bfloat16).float()
     if weight_format == INT8:
-        return dequantize_int8(*quantize_int8(w))
+        return dequantize_int8(*quantize_int8(w, INT8_GROUP), INT8_GROUP)
     raise ValueError(f"{weight_format!r} is not a weight-only format ({', '.join(WEIGHT_ONLY)})")
 
 
