@@ -27,14 +27,8 @@ from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kerne
 from dominospec.targets.quant import dequantize_int8, format_values, quantize_int8
 
 FORMATS = ["bfloat16", "int8"]
-SHAPES = [
-    (1, 1),
-    (5, 3),
-    (33, 17),
-    (100, 37),
-    (70, 64),
-    (40, 150),
-]  # N ragged against the panel width, K odd, int8 groups ragged
+# (N, K): N ragged against the panel width, K odd, int8's groups of 64 ragged
+SHAPES = [(1, 1), (5, 3), (33, 17), (100, 37), (70, 64), (40, 150)]
 
 
 @pytest.fixture(scope="module")
