@@ -27,7 +27,7 @@ from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kerne
 from dominospec.targets.quant import dequantize_int8, format_values, quantize_int8
 
 FORMATS = ["bfloat16", "int8"]
-# (N, K): N ragged against the panel width, K odd, int8's groups of 64 ragged
+# (N, K): N ragged against the panel width, K odd, int8's groups of 32 ragged
 SHAPES = [(1, 1), (5, 3), (33, 17), (100, 37), (70, 64), (40, 150)]
 
 
@@ -97,27 +97,35 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_share_the_call(bias, ker
                 assert torch.equal(lin(shuffled)[3], batch[r])
 
 
-def test_int8_is_symmetric_per_output_channel_and_group_and_idempotent():
-    """Protects: q in -127..127, each (channel, group)'s largest weight maps to +-127, the error is at most
-    half a step of its own group's scale, a ragged last group and an all-zero group work, and quantising the
-    dequantised weights gives them back (so the model rounded in place and the kernel's copy are one model)."""
+def test_int8_groups_take_the_better_grid_and_hold_8_and_4_bit_blocks_exactly():
+    """Protects: int8 per output channel and group of 32 inputs: every weight within half a step of its group's
+    grid, a ragged last group and an all-zero group work, 8-bit symmetric blocks (Q8_0-like) and 4-bit affine
+    blocks (Q4_1-like: what the bundled model's fp32 weights are) come back exactly, groups beat one scale per
+    row, and quantising the dequantised weights gives the same codes (the model rounded in place and the
+    kernel's packed copy are one model)."""
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(40, 150, generator=g) * torch.logspace(-4, 1, 40)[:, None]  # groups of 64, 64, 22
-    w[:, 64:128] *= 20.0  # one loud group: the quiet ones keep their own resolution
-    w[7, :64] = 0.0
-    q, scale = quantize_int8(w, 64)
-    assert q.dtype == torch.int8 and scale.shape == (40, 3) and int(q.abs().max()) == 127
-    groups = [slice(0, 64), slice(64, 128), slice(128, 150)]
-    back = dequantize_int8(q, scale, 64)
-    for j, cols in enumerate(groups):
-        peak = q[:, cols].abs().amax(1)
-        assert bool((peak[torch.arange(40) != 7] == 127).all()) if j == 0 else bool((peak == 127).all())
-        assert bool(((back - w)[:, cols].abs() <= scale[:, j : j + 1] / 2 * (1 + 1e-6)).all())
-    assert int(q[7, :64].abs().max()) == 0 and float(scale[7, 0]) == 1.0
+    w = torch.randn(40, 150, generator=g) * torch.logspace(-4, 1, 40)[:, None]  # groups 32 x 4 + a ragged 22
+    w[:, 64:96] *= 20.0  # one loud group: the quiet ones keep their own resolution
+    w[7, :32] = 0.0
+    d = torch.rand(40, 1, generator=g) * 0.01 + 1e-3
+    w[:, 32:64] = d * torch.randint(-127, 128, (40, 32), generator=g).float()  # 8-bit symmetric blocks
+    w[:, 32] = 127 * d[:, 0]
+    w[:, 96:128] = 0.3 * d - d * torch.randint(0, 16, (40, 32), generator=g).float() / 7  # 4-bit affine
+    w[:, 96], w[:, 97] = 0.3 * d[:, 0], 0.3 * d[:, 0] - 15 * d[:, 0] / 7
+    q, scale, offset = quantize_int8(w, 32)
+    assert q.dtype == torch.int8 and scale.shape == offset.shape == (40, 5)
+    back = dequantize_int8(q, scale, offset, 32)
+    for j in range(5):
+        cols = slice(32 * j, min(150, 32 * j + 32))
+        assert bool(((back - w)[:, cols].abs() <= scale[:, j : j + 1] / 2 * (1 + 1e-5) + 1e-12).all())
+    assert int(q[7, :32].abs().max()) == 0 and float(scale[7, 0]) == 1.0 and float(offset[7, 0]) == 0.0
+    assert torch.allclose(back[:, 32:64], w[:, 32:64], rtol=0, atol=1e-9) and bool((offset[:, 1] == 0).all())
+    assert (back - w)[:, 96:128].abs().max() < 1e-6 * w[:, 96:128].abs().max()
     one_scale_per_row = dequantize_int8(*quantize_int8(w, 150), 150)  # the loud group sets every step
-    assert (back - w)[:, :64].abs().max() < (one_scale_per_row - w)[:, :64].abs().max() / 5
-    q2, scale2 = quantize_int8(back, 64)
-    assert torch.equal(q2, q) and torch.equal(dequantize_int8(q2, scale2, 64), back)
+    assert (back - w)[:, :32].abs().max() < (one_scale_per_row - w)[:, :32].abs().max() / 5
+    q2, scale2, offset2 = quantize_int8(back, 32)
+    again = dequantize_int8(q2, scale2, offset2, 32)  # the same codes; values to fp32 rounding of their row
+    assert torch.equal(q2, q) and bool(((again - back).abs() <= 1e-6 * back.abs().amax(1, keepdim=True)).all())
     assert torch.equal(format_values(format_values(w, "bfloat16"), "bfloat16"), format_values(w, "bfloat16"))
 
 
@@ -163,8 +171,8 @@ def test_the_format_is_its_own_model_close_to_fp32(fmt, kernels):
     assert t.weight_format == fmt and t.precision == f"{fmt}-weights" and ref.precision == "float32"
     assert t.dtype == torch.float32 and t.fingerprint == ref.fingerprint
     assert t.native.lm_head.kernel.format == fmt
-    # half / a quarter of the bytes, plus int8's fp32 column scales (4 bytes per 64-wide row here)
-    assert t.native.weight_bytes * (2 if fmt == "bfloat16" else 3.5) <= ref.native.weight_bytes * 1.01
+    # half / a quarter of the bytes, plus int8's fp32 scale and offset (8 bytes per 32 weights)
+    assert t.native.weight_bytes * (2 if fmt == "bfloat16" else 3.1) <= ref.native.weight_bytes * 1.01
     head = t.model.get_output_embeddings().weight
     assert head is t.model.get_input_embeddings().weight  # tied: the embedding follows the LM head
     assert torch.equal(head, format_values(ref.model.get_output_embeddings().weight, fmt))

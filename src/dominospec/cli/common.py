@@ -47,7 +47,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16, int8. On the CPU with the native "
         "backend, bfloat16 and int8 are weight formats (half / about a quarter of fp32's bytes; int8 "
-        "scaled per output channel and group of 64 inputs) with fp32 activations: speculative output stays "
+        "scaled per output channel and group of 32 inputs) with fp32 activations: speculative output stays "
         "identical to plain decoding of that format",
     )
     p.add_argument(

@@ -143,7 +143,8 @@ class PackedLinear:
     """W packed into the kernel's panels once; y = x @ W^T + b for x [..., K] with few rows.
 
     weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes) or int8
-    (quant.quantize_int8: a quarter of the bytes, plus an fp32 scale per column and INT8_GROUP inputs).
+    (quant.quantize_int8: a quarter of the bytes, plus an fp32 scale and offset per column and
+    INT8_GROUP inputs).
     Activations and accumulation stay fp32 (bf16 dot product: activations rounded to bf16 too).
     """
 
@@ -155,9 +156,10 @@ class PackedLinear:
         self.format = kernel_format(module, weight_format)
         w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
         if self.format == "int8":
-            q, scale = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G]
+            q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
             w, self.group = q.float(), INT8_GROUP
-            self.scale = module.pack(scale, "float32")  # [P, G, NR]: a panel's scales beside its weights
+            # [P, G, 2, NR]: per panel and group, its columns' scales, then their offsets
+            self.scale = torch.stack([module.pack(scale, "float32"), module.pack(offset, "float32")], dim=2)
         self.panels = module.pack(w, self.format)  # [ceil(N / NR), K, NR] (pairs: [.., ceil(K / 2), NR, 2])
         self.bias = None if bias is None else bias.detach().contiguous()
 

@@ -7,9 +7,10 @@
 // done in further groups while the panel is still in L2.
 //
 // Weight formats (the packed tensor's dtype says which): float32; bfloat16 (half the bytes, widened
-// to fp32 in registers by a 16-bit shift: exact); int8 with one fp32 scale per output column and
-// group of G consecutive k (about a quarter of the bytes: each group's sum of exact int8 x fp32
-// products is kept apart and added to the total times its scale, one FMA, when the group ends).
+// to fp32 in registers by a 16-bit shift: exact); int8 with an fp32 scale s and offset o per output
+// column and group of G consecutive k, w = s * q + o (under a third of the bytes: each group's sum of
+// exact int8 x fp32 products is kept apart, and when the group ends the total takes
+// s * sum(q x) + o * sum(x), the row's sum of x over the group computed once per call).
 // Activations and accumulation are fp32 in all three. Optionally, where the CPU has AVX512-BF16,
 // bfloat16 weights packed in k-pairs run on the native bf16 dot product (vdpbf16ps), which also
 // rounds the activations to bf16 (per row, the same whatever the batch).
@@ -91,7 +92,7 @@ struct BF16 {  // bf16 is the top half of an fp32: zero-extend to 32 bits and sh
   }
 };
 
-struct I8 {  // an int8 is exactly an fp32; the group's scale comes after the group's sum
+struct I8 {  // an int8 is exactly an fp32; the group's scale and offset come after the group's sum
   using T = int8_t;
   static inline vf widen(const int8_t* p) {
 #if defined(__AVX512F__)
@@ -129,7 +130,8 @@ inline void store(vf (&acc)[R][NV], float* __restrict y, int64_t ldy, int64_t nc
 
 template <typename Fmt, int R>
 void panel(const float* __restrict x, int64_t ldx, const typename Fmt::T* __restrict wp, int64_t K,
-           float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, const float*, int64_t) {
+           float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, const float*, const float*,
+           int64_t) {
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
@@ -146,11 +148,14 @@ void panel(const float* __restrict x, int64_t ldx, const typename Fmt::T* __rest
   store<R>(acc, y, ldy, ncols, bias);
 }
 
-// int8 panel with scales [ceil(K / G)][NR]: per group, R x NV partial sums, then acc += part * scale.
+// int8 panel; so [ceil(K / G)][2][NR]: each group's scales, then its offsets; xsum [R][ceil(K / G)]:
+// each row's sum of x over each group. Per group, R x NV partial sums, then acc += part * s + o * xsum.
 // Twice the accumulators of panel<>, so at most MR_I8 rows per group.
 template <int R>
 void panel_i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict wp, int64_t K, float* __restrict y,
-              int64_t ldy, int64_t ncols, const float* __restrict bias, const float* __restrict scale, int64_t G) {
+              int64_t ldy, int64_t ncols, const float* __restrict bias, const float* __restrict so,
+              const float* __restrict xsum, int64_t G) {
+  const int64_t groups = (K + G - 1) / G;
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
@@ -169,10 +174,18 @@ void panel_i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict w
         for (int v = 0; v < NV; ++v) part[r][v] += w[v] * xs;  // one FMA
       }
     }
-    vf sg[NV];
-    for (int v = 0; v < NV; ++v) sg[v] = F32::widen(scale + g * NR + v * VW);
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) acc[r][v] += part[r][v] * sg[v];  // one FMA
+    vf sg[NV], og[NV];
+    for (int v = 0; v < NV; ++v) {
+      sg[v] = F32::widen(so + g * 2 * NR + v * VW);
+      og[v] = F32::widen(so + g * 2 * NR + NR + v * VW);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float xg = xsum[r * groups + g];
+      for (int v = 0; v < NV; ++v) {
+        acc[r][v] += part[r][v] * sg[v];  // one FMA each
+        acc[r][v] += og[v] * xg;
+      }
+    }
   }
   store<R>(acc, y, ldy, ncols, bias);
 }
@@ -205,10 +218,11 @@ void panel_dot(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __rest
 }
 #endif
 
-// One row group through one panel: (x rows, ldx, panel, K, y, ldy, ncols, bias, int8 scales, int8 group)
+// One row group through one panel: (x rows, ldx, panel, K, y, ldy, ncols, bias, and for int8: the
+// panel's scales and offsets, the rows' group sums of x, the group size)
 template <typename X, typename T>
 using PanelFn = void (*)(const X*, int64_t, const T*, int64_t, float*, int64_t, int64_t, const float*,
-                         const float*, int64_t);
+                         const float*, const float*, int64_t);
 
 template <typename Fmt, int... Rs>
 constexpr auto make_table(std::integer_sequence<int, Rs...>) {
@@ -227,7 +241,7 @@ const auto PANELS_I8 = make_i8_table(std::make_integer_sequence<int, MR_I8>{});
 #ifdef DOMINOSPEC_BF16_DOT
 template <int R>
 void panel_dot_fn(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t K2, float* y, int64_t ldy,
-                  int64_t ncols, const float* bias, const float*, int64_t) {
+                  int64_t ncols, const float* bias, const float*, const float*, int64_t) {
   panel_dot<R>(x, ldx, wp, K2, y, ldy, ncols, bias);
 }
 template <int... Rs>
@@ -243,7 +257,8 @@ const auto PANELS_DOT = make_dot_table(std::make_integer_sequence<int, MR>{});
 template <typename X, typename T, size_t NT>
 void run_panels(const std::array<PanelFn<X, T>, NT>& panels, const X* xp, int64_t ldx, const T* wp,
                 int64_t panel_elems, int64_t Kp, float* yp, int64_t M, int64_t N, int64_t P, const float* b,
-                const float* scale = nullptr, int64_t scale_elems = 0, int64_t group = 0) {
+                const float* so = nullptr, const float* xsum = nullptr, int64_t group = 0) {
+  const int64_t groups = group > 0 ? (Kp + group - 1) / group : 0;
   const int64_t chunks = (M + CHUNK - 1) / CHUNK;
   at::parallel_for(0, P * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -251,12 +266,12 @@ void run_panels(const std::array<PanelFn<X, T>, NT>& panels, const X* xp, int64_
       const int64_t col = p * NR, ncols = std::min<int64_t>(NR, N - col);
       const T* w = wp + p * panel_elems;
       const int64_t first = c * CHUNK, rows_here = std::min<int64_t>(CHUNK, M - first);
-      const int64_t groups = (rows_here + NT - 1) / NT;
+      const int64_t row_groups = (rows_here + NT - 1) / NT;
       int64_t m0 = first;
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t rows = (first + rows_here - m0) / (groups - g);
+      for (int64_t g = 0; g < row_groups; ++g) {
+        const int64_t rows = (first + rows_here - m0) / (row_groups - g);
         panels[rows - 1](xp + m0 * ldx, ldx, w, Kp, yp + m0 * N + col, N, ncols, b ? b + col : nullptr,
-                         scale ? scale + p * scale_elems : nullptr, group);
+                         so ? so + p * groups * 2 * NR : nullptr, xsum ? xsum + m0 * groups : nullptr, group);
         m0 += rows;
       }
     }
@@ -287,7 +302,7 @@ bool has_bf16_dot() {
 
 torch::Tensor pack(const torch::Tensor& weight, const std::string& format) {
   // [N, K] float32 -> panels [ceil(N / NR), K, NR] of float32, bfloat16 (rounded to nearest even) or
-  // int8 (the values must already be integers in -127..127; the caller packs the scales);
+  // int8 (the values must already be integers in -128..127; the caller packs the scales and offsets);
   // "bfloat16_pairs" -> [ceil(N / NR), ceil(K / 2), NR, 2] bfloat16 for the dot-product kernel.
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: weight must be a 2-D float32 tensor");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + NR - 1) / NR;
@@ -303,8 +318,9 @@ torch::Tensor pack(const torch::Tensor& weight, const std::string& format) {
   if (format == "float32") return panels.contiguous();
   if (format == "bfloat16") return panels.to(at::kBFloat16).contiguous();
   if (format == "int8") {
-    TORCH_CHECK(weight.abs().max().item<float>() <= 127.0f && torch::equal(weight, weight.round()),
-                "pack: int8 weights must be integers in -127..127");
+    TORCH_CHECK(weight.min().item<float>() >= -128.0f && weight.max().item<float>() <= 127.0f &&
+                    torch::equal(weight, weight.round()),
+                "pack: int8 weights must be integers in -128..127");
     return panels.to(at::kChar).contiguous();
   }
   TORCH_CHECK(false, "pack: unknown weight format ", format);
@@ -314,7 +330,7 @@ torch::Tensor pack(const torch::Tensor& weight, const std::string& format) {
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scale, int64_t group, int64_t N) {
   // x [M, K] float32 contiguous; packed from pack(); bias [N] or None; int8 only: scale
-  // [P, ceil(K / group), NR] float32 (one per padded column and group of `group` k) -> [M, N]
+  // [P, ceil(K / group), 2, NR] float32 (per padded column and group of `group` k: scale, then offset) -> [M, N]
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
   const bool pairs = packed.dim() == 4;
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
@@ -330,9 +346,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   const float* s = nullptr;
   if (scale.has_value() && scale->defined()) {
     TORCH_CHECK(group > 0, "int8 scales need a group size");
-    TORCH_CHECK(scale->dim() == 3 && scale->size(0) == P && scale->size(1) == (K + group - 1) / group &&
-                    scale->size(2) == NR && scale->is_contiguous() && scale->scalar_type() == at::kFloat,
-                "scale must be [P, ceil(K / group), NR] float32");
+    TORCH_CHECK(scale->dim() == 4 && scale->size(0) == P && scale->size(1) == (K + group - 1) / group &&
+                    scale->size(2) == 2 && scale->size(3) == NR && scale->is_contiguous() &&
+                    scale->scalar_type() == at::kFloat,
+                "scale must be [P, ceil(K / group), 2, NR] float32");
     s = scale->data_ptr<float>();
   }
   auto y = torch::empty({M, N}, x.options());
@@ -361,7 +378,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   } else if (dtype == at::kChar) {
     TORCH_CHECK(s != nullptr, "int8 panels need their scales");
     const int64_t groups = (K + group - 1) / group;
-    run_panels(PANELS_I8, xp, K, packed.data_ptr<int8_t>(), K * NR, K, yp, M, N, P, b, s, groups * NR, group);
+    auto xsum = torch::empty({M, groups}, x.options());  // [M, G]: each row's sum of x over each group
+    float* xs = xsum.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)  // in k order, one row at a time: the same bits whatever M
+      for (int64_t g = 0; g < groups; ++g) {
+        float sum = 0.0f;
+        for (int64_t k = g * group; k < std::min(K, (g + 1) * group); ++k) sum += xp[m * K + k];
+        xs[m * groups + g] = sum;
+      }
+    run_panels(PANELS_I8, xp, K, packed.data_ptr<int8_t>(), K * NR, K, yp, M, N, P, b, s, xs, group);
   } else {
     TORCH_CHECK(false, "packed weights of dtype ", dtype, " are not a kernel format");
   }
