@@ -6,11 +6,12 @@ sum in fp32 and store the weights of the linear layers (the decoder layers' proj
 LM head, which is the embedding table of a tied model) as bf16 (half the bytes, rounded to
 nearest) or int8 with an fp32 scale and offset per output channel and group of INT8_GROUP
 inputs (0.31 of fp32's bytes; quantised at load from the weights alone, no calibration data).
-Why groups and offsets: one symmetric scale per 576- or 1536-wide row of SmolLM2 made greedy
-answers diverge from fp32's within a few dozen tokens on most eval prompts (97.9% teacher-forced
-top-1 agreement), symmetric groups of 64 or 32 reached 98.6%; choosing per group of 32 between a
-symmetric and an affine grid gave 100% on held-out conversations (its fp32 weights are
-dequantised Q4_1 / 8-bit blocks of 32, which those grids hold exactly).
+Why groups and offsets (scripts/quant_agreement.py, 8 eval prompts x 64 tokens, 8 held-out
+conversations): one symmetric scale per 576- or 1536-wide row of SmolLM2 left 1 of 8 greedy answers
+identical to fp32's (97.9% teacher-forced top-1), symmetric groups of 64 or 32 2-3 of 8 (98.6%);
+the better of a symmetric and an affine grid per group of 32 gives 8 of 8 (100%, the same
+perplexity), as bf16 does: the bundled model's fp32 weights are dequantised 4-bit affine and 8-bit
+blocks of 32, which those grids hold exactly. On weights trained in bf16 it is a plain 8-bit grid.
 
 The format is applied to the loaded model in place first: its weights become the format's values,
 held in fp32. Every path that reads the model (the small-row kernel, the library fallback without
