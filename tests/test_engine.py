@@ -3,6 +3,7 @@ allocates verify budgets as DSpark's Algorithm 1, and the caller's surface (queu
 
 import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ from conftest import assert_matches_distribution, exact_distribution, tiny_draft
 
 from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
 from dominospec.decode import CostTable, PromptLookup, Proposal
-from dominospec.decode.schedule import BatchCostTable, BatchPolicy, VerifyPolicy, allocate_verify, make_batch_policy
+from dominospec.decode.schedule import BatchCostTable, CostPolicy, VerifyPolicy, allocate_verify
 from dominospec.engine import Engine, EngineFull, EngineRequest
+from dominospec.tune.policy import make_policy
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(1.0)
+ROW, SAMPLED = SimpleNamespace(committed_len=1, sampling=GREEDY), SimpleNamespace(committed_len=1, sampling=T1)
 COSTS = CostTable({0: [1.0, 1.1, 1.2, 1.35, 1.5, 1.7]})  # cheap extra tokens: the cost policy verifies some
 
 
@@ -65,10 +68,7 @@ def test_one_request_through_the_engine_equals_the_batch1_loop(kind, sampling, t
         ref = generate_autoregressive(target, prompt, 40, sampling, seed=7, eos_ids=[])
         assert got.cycles == 0 and got.accepted == []
     else:
-        policy = None
-        if kind == "cost":
-            engine = engine_for("cost", target, drafter)
-            policy = _OneRowPolicy(engine.policy)
+        policy = engine_for("cost", target, drafter).policy if kind == "cost" else None  # the engine's own policy
         ref = generate_speculative(
             target,
             None if kind == "lookup" else drafter,
@@ -82,16 +82,6 @@ def test_one_request_through_the_engine_equals_the_batch1_loop(kind, sampling, t
         )
         assert got.accepted == ref.accepted and got.verified == ref.verified and got.cycles == ref.cycles > 0
     assert got.tokens == ref.tokens and got.finish_reason == "length"
-
-
-class _OneRowPolicy(VerifyPolicy):
-    """The engine's batch policy asked about one row: what the batch-1 loop must do to match it."""
-
-    def __init__(self, batch_policy):
-        self.batch = batch_policy
-
-    def verify_length(self, proposal, context=0):
-        return self.batch.verify_lengths([proposal], [context])[0]
 
 
 @pytest.mark.parametrize(
@@ -206,11 +196,11 @@ def test_engine_cost_policy_measures_a_missing_batched_table_once(target, drafte
     batched rows, stores it, and the next one reuses it silently."""
     monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
     said = []
-    policy = make_batch_policy("cost", drafter, target, report=said.append)
+    policy = make_policy("cost", drafter, target, rows=2, report=said.append)
     assert any("quick one" in s for s in said) and any("batched cost table" in s for s in said)
     assert sorted(policy.costs.seconds) == [1, 2, 4, 8] and len(list((tmp_path / "profiles").glob("*.json"))) == 1
     said.clear()
-    again = make_batch_policy("cost", drafter, target, report=said.append)
+    again = make_policy("cost", drafter, target, rows=2, report=said.append)
     assert not any("measuring" in s for s in said) and again.costs.seconds == policy.costs.seconds
     engine = Engine(target, drafter, policy="cost", max_batch=2)  # reads the stored table
     h = engine.submit(EngineRequest([1, 2, 3], 12, eos_ids=[]))
@@ -220,16 +210,17 @@ def test_engine_cost_policy_measures_a_missing_batched_table_once(target, drafte
 
 def test_batch_policy_skips_drafting_from_earlier_steps_and_probes():
     table = BatchCostTable({1: [1.0, 1.05, 1.1, 1.15, 1.2]}, {1: 0.1})
-    policy = BatchPolicy("cost", VerifyPolicy(), table)
-    assert policy.wants_draft(rows=2, block_size=4)  # prior 0.5 per slot: drafting pays at first
+    policy = CostPolicy(costs=table, block_size=4)
+    rows = [ROW, ROW]
+    assert policy.wants_draft(rows)  # prior 0.5 per slot: drafting pays at first
     for _ in range(30):
         policy.observe(Proposal(torch.tensor([1, 2, 3, 4]), source="drafter"), 4, 0)  # all rejected
-    decisions = [policy.wants_draft(rows=2, block_size=4) for _ in range(32)]
+    decisions = [policy.wants_draft(rows) for _ in range(32)]
     assert decisions.count(True) == 2 and decisions[15] and decisions[31]  # one probe every 16 steps
     for _ in range(60):
         policy.observe(Proposal(torch.tensor([1, 2, 3, 4]), source="drafter"), 4, 4)  # all accepted
-    assert policy.wants_draft(rows=2, block_size=4)
-    assert BatchPolicy("fixed", VerifyPolicy(), table).wants_draft(rows=2, block_size=4)  # only cost skips
+    assert policy.wants_draft(rows)
+    assert VerifyPolicy().wants_draft(rows)  # only cost skips
 
 
 # ----- DSpark's Algorithm 1 over the batch -----
@@ -280,13 +271,11 @@ def _first_token_distribution(choose_k) -> torch.Tensor:
 
 def test_batch_scheduler_on_dsparks_counterexample_keeps_the_distribution():
     table = BatchCostTable({1: [1.0, 1.6, 1.7]})
-    from dominospec.decode.schedule import StaticPolicy
-
-    policy = BatchPolicy("cost", StaticPolicy(), table)
+    policy = CostPolicy(costs=table)
     other = Proposal(torch.tensor([0, 1]), None, torch.tensor([2.0, 1.0]))  # a second row in the batch
 
     def ours(p):
-        return policy.verify_lengths([p, other], [0, 0])[0]
+        return policy.verify_lengths([p, other], [SAMPLED, SAMPLED])[0]
 
     def full_search(p):  # the best total over all prefixes: c_2 (which read d_1) decides about d_1
         a = torch.cumprod(torch.sigmoid(p.confidence_logits.double()), 0).tolist()
@@ -421,7 +410,7 @@ def test_background_thread_streams_tokens_in_order_and_drains_on_shutdown(target
 
 
 def test_batched_profile_feeds_the_scheduler(target, drafter):
-    from dominospec.decode.cost import profile_batch_cost
+    from dominospec.tune.profile import profile_batch_cost
 
     table = profile_batch_cost(target, drafter, rows=(1, 3), context=12, max_k=3, repeats=1)
     assert table["rows"] == [1, 3] and table["k"] == [1, 2, 3]

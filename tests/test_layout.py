@@ -132,6 +132,7 @@ STAGES = [
     {"targets"},  # the model being accelerated (the only home of transformers)
     {"drafter"},  # the draft model and its checkpoints
     {"decode"},  # one speculative step: propose, verify, accept
+    {"tune"},  # what the step reads, measured once: the device profile, the STS calibration, the policy built from them
     {"engine", "data", "export"},  # many requests at once; training data; other engines' formats
     {"train", "bench", "serve", "integrations"},  # what users run
     {"cli"},
@@ -182,7 +183,7 @@ def test_stage_check_catches_an_upward_and_a_sibling_import():
     }
     assert stage_violations(graph) == [
         "dominospec.targets.hf (stage 1) imports dominospec.decode.single (stage 3)",
-        "dominospec.train.trainer (stage 5) imports dominospec.bench.runner (stage 5)",
+        "dominospec.train.trainer (stage 6) imports dominospec.bench.runner (stage 6)",
     ]
 
 

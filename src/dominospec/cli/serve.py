@@ -6,20 +6,20 @@ import importlib.util
 import ipaddress
 import os
 
-from ..decode.schedule import DEFAULT_THRESHOLD
+from ..decode.schedule import DEFAULT_THRESHOLD, DEFAULT_VERIFY, VERIFY_MODES, check_threshold, verify_mode_help
 from ..errors import DominoError
 from ..log import log
 from .common import (
+    DEFAULT_DRAFTER,
     LOOKUP,
+    NONE,
+    SHIPPED,
     add_target_args,
     require_at_least,
     resolve_drafter,
     target_from_args,
     warn_if_reduced_precision,
 )
-
-NONE = "none"  # --drafter none: plain decoding
-
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai")
 
@@ -40,8 +40,7 @@ def cmd_serve(args) -> int:
 
     require_at_least(args, 1, "max_batch", "port", "max_len", "block_size")
     require_at_least(args, 0, "max_queue")
-    if not 0 < args.confidence_threshold < 1:
-        raise DominoError(f"--confidence-threshold must be in (0, 1), got {args.confidence_threshold}")
+    check_threshold(args.confidence_threshold)
     if not args.request_timeout > 0:
         raise DominoError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.api_key is not None and not args.api_key.strip():
@@ -49,11 +48,12 @@ def cmd_serve(args) -> int:
     if not _is_loopback(args.host) and args.api_key is None:
         log(f"serve: listening on {args.host} without --api-key: anyone who reaches this port can use the model")
     target = target_from_args(args)
-    lookup = args.drafter == LOOKUP
+    choice = args.drafter or DEFAULT_DRAFTER
+    lookup = choice == LOOKUP
     drafter = None
-    if args.drafter not in (LOOKUP, NONE) and args.verify != "plain":
-        drafter = resolve_drafter(target, args.drafter)
-    verify = args.verify or ("cost" if drafter is not None or lookup else "plain")
+    if choice not in (LOOKUP, NONE) and args.verify != "plain":
+        drafter = resolve_drafter(target, None if choice == SHIPPED else choice)
+    verify = args.verify or (DEFAULT_VERIFY if drafter is not None or lookup else "plain")
     if verify != "plain" and drafter is None and not lookup:
         raise DominoError(
             f"--verify {verify} drafts, but there is no drafter (none ships for {target.name!r}): "
@@ -101,17 +101,17 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--drafter",
         default=None,
-        help="drafter directory (default: the one shipped for the bundled target), lookup (prompt lookup "
-        "alone) or none (plain decoding)",
+        help=f"lookup (prompt lookup alone, no trained drafter; the default, as for `generate`), shipped (the "
+        f"drafter shipped for the bundled target), a drafter directory, or none (plain decoding) (default "
+        f"{DEFAULT_DRAFTER})",
     )
     p.add_argument(
         "--verify",
         default=None,
-        choices=("plain", "fixed", "static", "cost"),
-        help="verify-length policy over the batch: plain (no drafting), fixed (every draft), static "
-        "(confidence threshold), cost (DSpark's scheduler over the batch: drafts only while it pays, verifies "
-        "what the measured cost of a forward pays for; the device's cost table is measured on first use) "
-        "(default: cost with a drafter or lookup, plain without: under load it measured best, docs/engine.md)",
+        choices=tuple(VERIFY_MODES),
+        help="verify-length policy over the batch: "
+        + verify_mode_help()
+        + f" (default: {DEFAULT_VERIFY} with a drafter or lookup, plain without)",
     )
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per cycle (default: the drafter's)")
     p.add_argument(
