@@ -125,8 +125,7 @@ class Engine:
             raise DominoError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
         if int(req.max_new_tokens) < 1:
             raise DominoError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        need = len(prompt) + int(req.max_new_tokens) + self.block_size + 1
-        if need > self.max_len:
+        if len(prompt) + int(req.max_new_tokens) > self.context:
             extra = f" + {self.block_size} draft positions" if self.block_size else ""
             raise DominoError(
                 f"the prompt ({len(prompt)} tokens) + max_new_tokens ({req.max_new_tokens}){extra} + 1 "
@@ -160,6 +159,12 @@ class Engine:
                 "policy": self.policy_name,
                 "slot_bytes": self.slot_bytes,
             }
+
+    @property
+    def context(self) -> int:
+        """Prompt + answer tokens one request may hold: its slot, less the draft positions a step appends
+        past the last committed token (block_size + 1). The server's 400 reads the same number."""
+        return self.max_len - self.block_size - 1
 
     @property
     def slot_bytes(self) -> int:
