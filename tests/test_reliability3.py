@@ -1,0 +1,138 @@
+"""Reliability, third round (issue 34): an export never deletes what it did not write, one client never
+breaks another, and every bad input gets a named refusal.
+
+CLI tests use the tiny character-level Llama of conftest (64 positions); engine and server tests the
+tiny chat target with a real character tokenizer.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import run_cli, save_char_model
+
+from dominospec import cli
+
+CONTEXT = 64
+NOWHERE = "/nonexistent/target-that-must-not-load"  # an argument error must be reported before this loads
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("reliability3")
+
+
+@pytest.fixture(scope="module")
+def char_model(shared_dir) -> Path:
+    return save_char_model(shared_dir / "char-model", CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(char_model, shared_dir) -> Path:
+    d = shared_dir / "drafter"
+    argv = ["init", "--target", char_model, "--out", d, "--layers", "1", "--block-size", "2", "--mask-token-id", "5"]
+    assert cli.main([str(a) for a in [*argv, "--gru-hidden-size", "8", "--rank", "4"]]) == 0
+    return d
+
+
+# ----- Critical 1: an export never deletes what it did not write -----
+
+
+def export_args(drafter, out, *extra) -> list:
+    return ["export", drafter, "--to", "sglang", "--out", out, *extra]
+
+
+def user_folder(path: Path) -> dict[str, bytes]:
+    """A folder of the user's: notes, a sub-folder and a .git; returns what it holds, by relative path."""
+    (path / ".git" / "objects").mkdir(parents=True)
+    (path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (path / "notes.md").write_text("my notes\n")
+    (path / "runs").mkdir()
+    (path / "runs" / "log.txt").write_text("keep me\n")
+    return snapshot(path)
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_export_into_a_folder_with_an_earlier_export_keeps_the_users_files(drafter_dir, tmp_path, capsys):
+    """Protects: an export replaces only the files an earlier export's report lists (issue 34, 1)."""
+    out = tmp_path / "out"
+    assert run_cli(capsys, *export_args(drafter_dir, out))[0] == 0
+    mine = user_folder(out)
+    rc, err = run_cli(capsys, *export_args(drafter_dir, out))
+    assert rc == 0, err
+    after = snapshot(out)
+    for name, data in mine.items():
+        if not name.startswith(("config.json", "model.safetensors", "export_report.json")):
+            assert after.get(name) == data, name
+    assert {"config.json", "model.safetensors", "export_report.json"} <= set(after)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary left beside it
+
+
+def test_export_refuses_a_report_copied_beside_files_it_did_not_write(drafter_dir, tmp_path, capsys):
+    """A copied export_report.json does not make a folder's own config.json/model.safetensors the export's."""
+    out = tmp_path / "out"
+    assert run_cli(capsys, *export_args(drafter_dir, out))[0] == 0
+    mine = tmp_path / "mine"
+    shutil.copytree(drafter_dir, mine)
+    user_folder(mine)
+    shutil.copy(out / "export_report.json", mine / "export_report.json")
+    report = json.loads((mine / "export_report.json").read_text())
+    report["files"] = ["export_report.json"]  # an export that wrote only its report
+    (mine / "export_report.json").write_text(json.dumps(report))
+    before = snapshot(mine)
+    rc, err = run_cli(capsys, *export_args(drafter_dir, mine))
+    assert rc == 2 and "did not write" in err and "config.json" in err, err
+    assert snapshot(mine) == before
+
+
+def test_export_refuses_the_drafter_itself_and_its_ancestors(drafter_dir, tmp_path, capsys):
+    """Protects: --out equal to the source drafter (a report copied there) or a folder above it is refused."""
+    src = tmp_path / "work" / "drafter"
+    shutil.copytree(drafter_dir, src)
+    user_folder(tmp_path / "work")
+    assert run_cli(capsys, *export_args(src, tmp_path / "e"))[0] == 0
+    shutil.copy(tmp_path / "e" / "export_report.json", src / "export_report.json")
+    before = snapshot(tmp_path / "work")
+    for out, words in ((src, "is the source drafter"), (tmp_path / "work", "holds the source drafter")):
+        rc, err = run_cli(capsys, *export_args(src, out))
+        assert rc == 2 and words in err, err
+    assert snapshot(tmp_path / "work") == before
+
+
+def test_export_refuses_the_current_directory(drafter_dir, tmp_path, capsys, monkeypatch):
+    """Protects: `--out .` (even holding an earlier export's report) is refused and nothing is removed."""
+    out = tmp_path / "here"
+    assert run_cli(capsys, *export_args(drafter_dir, out))[0] == 0
+    user_folder(out)
+    before = snapshot(out)
+    monkeypatch.chdir(out)
+    for arg in (".", str(out), str(tmp_path)):
+        rc, err = run_cli(capsys, *export_args(drafter_dir, arg))
+        assert rc == 2 and "the current directory" in err, err
+    assert snapshot(out) == before
+
+
+def test_export_checks_a_read_only_out_before_loading_the_target(drafter_dir, tmp_path, capsys, monkeypatch):
+    """Protects: an unwritable --out (here an empty read-only mount point) is named before the target loads."""
+    from dominospec import Target
+
+    def no_load(*a, **k):
+        raise AssertionError("the target loaded before --out was checked")
+
+    ro = tmp_path / "mnt"
+    ro.mkdir()
+    write_bytes = Path.write_bytes
+
+    def read_only_mount(path, data):  # root ignores mode bits: fail writes under ro as a read-only mount does
+        if path.parent == ro:
+            raise OSError(30, "Read-only file system")
+        return write_bytes(path, data)
+
+    monkeypatch.setattr(Target, "load", no_load)
+    monkeypatch.setattr(Path, "write_bytes", read_only_mount)
+    rc, err = run_cli(capsys, *export_args(drafter_dir, ro))
+    assert rc == 2 and f"--out {ro} is not writable (Read-only file system)" in err, err
