@@ -10,9 +10,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, save_char_model
+from conftest import run_cli, save_char_model, tiny_drafter, tiny_target
 
-from dominospec import cli
+from dominospec import SamplingConfig, cli
+from dominospec.engine import EngineRequest
 
 CONTEXT = 64
 NOWHERE = "/nonexistent/target-that-must-not-load"  # an argument error must be reported before this loads
@@ -136,3 +137,71 @@ def test_export_checks_a_read_only_out_before_loading_the_target(drafter_dir, tm
     monkeypatch.setattr(Path, "write_bytes", read_only_mount)
     rc, err = run_cli(capsys, *export_args(drafter_dir, ro))
     assert rc == 2 and f"--out {ro} is not writable (Read-only file system)" in err, err
+
+
+# ----- Critical 2: one request never fails the others in its batch -----
+
+
+@pytest.fixture(scope="module")
+def native_target():
+    return tiny_target("llama", backend="native")
+
+
+@pytest.fixture(scope="module")
+def drafter(native_target):
+    return tiny_drafter(native_target, block_size=4)
+
+
+def engine_for(kind, target, drafter):
+    from dominospec.engine import Engine
+
+    if kind == "plain":
+        return Engine(target, max_batch=4)
+    if kind == "lookup":
+        return Engine(target, lookup=True, policy="fixed", max_batch=4)
+    return Engine(target, drafter, policy="fixed", max_batch=4)
+
+
+BYSTANDER = ([5, 9, 11, 2, 7, 8], 24, SamplingConfig(1.0, top_p=0.9), 7)  # prompt, budget, sampling, seed
+
+
+def run_together(engine, requests) -> list:
+    """Submit every (prompt, budget, sampling, seed) before the first step: they share each batch."""
+    handles = [engine.submit(EngineRequest(p, n, s, seed=seed, eos_ids=[])) for p, n, s, seed in requests]
+    engine.run_until_idle()
+    return [h.wait(0) for h in handles]
+
+
+@pytest.mark.parametrize("kind", ["plain", "fixed"])
+@pytest.mark.parametrize(
+    "poison", [dict(temperature=1e-300), dict(temperature=5e-324), dict(temperature=1.0, top_p=1e-300)]
+)
+def test_a_poisoned_request_neither_fails_nor_changes_its_batch_mate(kind, poison, native_target, drafter):
+    """Protects: temperature 1e-300 / 5e-324 or top_p 1e-300 is greedy; the bystander is complete and equal
+    to its solo answer (issue 34, 2)."""
+    solo = run_together(engine_for(kind, native_target, drafter), [BYSTANDER])[0]
+    poisoned = ([1, 2, 3], 24, SamplingConfig(**poison), 3)
+    mate, bad = run_together(engine_for(kind, native_target, drafter), [BYSTANDER, poisoned])
+    assert mate.finish_reason == "length" and mate.error is None
+    assert mate.tokens == solo.tokens and len(solo.tokens) == 24
+    greedy = run_together(engine_for(kind, native_target, drafter), [([1, 2, 3], 24, SamplingConfig(), 0)])[0]
+    assert bad.finish_reason == "length" and bad.tokens == greedy.tokens  # as greedy as temperature 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "lookup"])
+def test_a_row_whose_sampling_fails_ends_alone_with_an_error(kind, native_target, drafter):
+    """Protects: a sampling failure in one row (here NaN probabilities) ends that row with an error;
+    the others go on to their solo answers."""
+    solo = run_together(engine_for(kind, native_target, drafter), [BYSTANDER])[0]
+    broken = SamplingConfig(1.0)
+    object.__setattr__(broken, "temperature", float("nan"))  # past every check: warp_probs gives NaN
+    mate, bad = run_together(engine_for(kind, native_target, drafter), [BYSTANDER, ([1, 2, 3], 24, broken, 3)])
+    assert bad.finish_reason == "error" and "sampling failed" in bad.error
+    assert mate.finish_reason == "length" and mate.tokens == solo.tokens
+
+
+def test_tiny_temperatures_are_greedy_in_the_sampling_config():
+    """The one rule: a temperature or top_p so small that float32 cannot divide by it is greedy."""
+    for s in (SamplingConfig(1e-300), SamplingConfig(5e-324), SamplingConfig(1.0, top_p=1e-300)):
+        assert s.greedy
+    assert not SamplingConfig(1e-3).greedy and not SamplingConfig(1.0, top_p=1e-3).greedy
