@@ -5,12 +5,17 @@ CLI tests use the tiny character-level Llama of conftest (64 positions); engine 
 tiny chat target with a real character tokenizer.
 """
 
+import contextlib
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
-from conftest import run_cli, save_char_model, tiny_drafter, tiny_target
+import torch
+from conftest import run_cli, save_char_model, tiny_chat_target, tiny_drafter, tiny_target
 
 from dominospec import SamplingConfig, cli
 from dominospec.engine import EngineRequest
@@ -205,3 +210,169 @@ def test_tiny_temperatures_are_greedy_in_the_sampling_config():
     for s in (SamplingConfig(1e-300), SamplingConfig(5e-324), SamplingConfig(1.0, top_p=1e-300)):
         assert s.greedy
     assert not SamplingConfig(1e-3).greedy and not SamplingConfig(1.0, top_p=1e-3).greedy
+
+
+# ----- High: named refusals before the model loads -----
+
+
+def test_serve_refuses_a_port_out_of_range_before_loading(capsys):
+    rc, err = run_cli(capsys, "serve", "--target", NOWHERE, "--port", "70000")
+    assert rc == 2 and "--port must be in 1..65535, got 70000" in err, err
+
+
+def test_serve_names_a_busy_port_and_a_bad_host_before_loading(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc, err = run_cli(capsys, "serve", "--target", NOWHERE, "--port", port)
+    assert rc == 2 and f"--port {port}: cannot listen there (in use)" in err, err
+    rc, err = run_cli(capsys, "serve", "--target", NOWHERE, "--host", "no-such-host.invalid")
+    assert rc == 2 and "--host 'no-such-host.invalid': not an address" in err, err
+    rc, err = run_cli(capsys, "serve", "--target", NOWHERE, "--host", "192.0.2.1")  # TEST-NET: not ours
+    assert rc == 2 and "--host 192.0.2.1 --port 8000: cannot listen there" in err, err
+
+
+def test_serve_refuses_more_slots_than_memory_holds_saying_what_fits(char_model, capsys, monkeypatch):
+    """Protects: --max-batch x --max-len is checked against free memory before the caches are allocated."""
+    import dominospec.engine.memory as memory
+    from dominospec.targets.native import KVCache
+
+    def no_allocation(*a, **k):
+        raise AssertionError("the slot caches were allocated before the check")
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 64 << 20)
+    monkeypatch.setattr(KVCache, "_allocate", no_allocation)
+    rc, err = run_cli(capsys, "serve", "--target", char_model, "--drafter", "none", "--max-batch", "100000")
+    assert rc == 2 and "max_batch 100000 slots of 64 positions need" in err and "slots of 64 positions fit" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--max-len", "1"], "--max-len must be at least 3, got 1"),
+        (["--max-len", "5", "--block-size", "4"], "--max-len 5 leaves no room for a request"),
+        (["--api-key", " s3cret "], "--api-key has leading or trailing whitespace"),
+        (["--api-key", "sécret"], "--api-key holds 'é'"),
+        (["--served-model-name", " "], "--served-model-name is empty"),
+    ],
+)
+def test_serve_configurations_that_can_serve_nothing_are_refused(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("DOMINOSPEC_API_KEY", raising=False)
+    rc, err = run_cli(capsys, "serve", "--target", NOWHERE, *argv)
+    assert rc == 2 and message in err, err
+
+
+def test_an_empty_api_key_variable_is_named(capsys, monkeypatch):
+    monkeypatch.setenv("DOMINOSPEC_API_KEY", "")
+    rc, err = run_cli(capsys, "serve", "--target", NOWHERE)
+    assert rc == 2 and "DOMINOSPEC_API_KEY is empty" in err, err
+
+
+def test_the_served_model_name_is_the_directorys_base_name():
+    from dominospec.cli.serve import served_name
+
+    assert served_name(str(Path(__file__).parent)) == "tests"
+    assert served_name("smollm2-135m") == "smollm2-135m"
+
+
+# ----- the server: cross-site requests, slow bodies, large prompts, stop strings -----
+
+
+@contextlib.contextmanager
+def live_server(target, **config_kw):
+    """A server over a batched engine in a thread on a free loopback port; yields its base URL."""
+    from dominospec.engine import Engine
+    from dominospec.serve import ServeConfig, free_port, make_server
+
+    engine = Engine(target, max_batch=4, max_queue=32)
+    config = ServeConfig(model_name=target.name, request_timeout=60, **config_kw)
+    server = make_server(engine, target, config, port=free_port())
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def chat_target():
+    return tiny_chat_target(dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def local_server(chat_target):
+    from dominospec.serve import LOOPBACK_HOSTS
+
+    with live_server(chat_target, allowed_hosts=LOOPBACK_HOSTS, body_timeout_s=1.0) as base:
+        yield base
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def assert_openai_error(r, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_a_cross_site_simple_post_is_refused(local_server):
+    """Protects: a text/plain body (a web page's "simple" request) gets 415, not an answer (issue 34, Medium)."""
+    r = httpx.post(
+        f"{local_server}/v1/chat/completions", content=json.dumps(CHAT), headers={"Content-Type": "text/plain"}
+    )
+    assert_openai_error(r, 415, "unsupported_media_type")
+    assert httpx.post(f"{local_server}/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+
+
+def test_a_foreign_origin_and_a_rebound_host_name_are_refused(local_server):
+    """Protects: a page on another site, or one whose DNS name was rebound to 127.0.0.1, cannot use a local server."""
+    url = f"{local_server}/v1/chat/completions"
+    r = httpx.post(url, json=CHAT, headers={"Origin": "https://evil.example"})
+    assert_openai_error(r, 403, "forbidden_origin")
+    r = httpx.post(url, json=CHAT, headers={"Host": "evil.example:8000"})
+    assert_openai_error(r, 403, "forbidden_origin")
+    r = httpx.get(f"{local_server}/v1/models", headers={"Host": "evil.example"})
+    assert_openai_error(r, 403, "forbidden_origin")
+    port = local_server.rsplit(":", 1)[1]
+    for origin in (f"http://127.0.0.1:{port}", f"http://localhost:{port}"):  # the server's own page
+        assert httpx.post(url, json=CHAT, headers={"Origin": origin}, timeout=60).status_code == 200
+    assert httpx.post(url, json=CHAT, headers={"Host": f"localhost:{port}"}, timeout=60).status_code == 200
+
+
+def test_a_server_bound_to_a_public_address_answers_any_host(chat_target):
+    with live_server(chat_target, allowed_hosts=None) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers={"Host": "my-server.example"}, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers={"Origin": "https://evil.example"})
+        assert_openai_error(r, 403, "forbidden_origin")
+
+
+def test_a_body_that_never_finishes_is_cut_off(local_server):
+    """Protects: a client that sends part of its body holds its connection only for the body timeout."""
+    import socket
+
+    host, port = "127.0.0.1", int(local_server.rsplit(":", 1)[1])
+    with socket.create_connection((host, port), timeout=10) as s:
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100\r\n\r\n{"
+        )
+        s.sendall(head.encode())
+        reply = b""
+        while b"body_timeout" not in reply and (chunk := s.recv(4096)):
+            reply += chunk
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 408") and "body_timeout" in reply, reply

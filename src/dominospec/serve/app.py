@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -47,6 +48,13 @@ class ServeConfig:
     request_timeout: float = 600.0  # seconds from arrival to the last token, queueing included
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1  # the Retry-After of a 429 (queue full) or 503 (draining)
+    # Host names answered (None: any). A loopback-bound server answers only loopback names, so a web
+    # page that rebinds its own DNS name to 127.0.0.1 cannot read its answers.
+    allowed_hosts: tuple[str, ...] | None = None
+    body_timeout_s: float = 30.0  # a client that sends its body slower than this is cut off (408)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class Gate:
@@ -491,17 +499,35 @@ class Gatekeeper:
             self.metrics.requests.labels(route, str(status)).inc()
 
     async def _checked(self, scope, receive, send):
+        headers = dict(scope["headers"])
+        refusal = self._foreign(headers)
+        if refusal is not None:
+            return await self._refuse(scope, receive, send, 403, refusal, "forbidden_origin")
         if self.config.api_key is not None and scope["path"] != "/health" and not self._authorized(scope):
             return await self._refuse(scope, receive, send, 401, "invalid or missing API key", "invalid_api_key")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        kind = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if kind != "application/json":
+            return await self._refuse(
+                scope,
+                receive,
+                send,
+                415,
+                f"the body must be JSON sent as Content-Type: application/json (got {kind or 'none'!r})",
+                "unsupported_media_type",
+            )
         limit = self.config.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(scope, receive, send, 413, f"the body exceeds {limit} bytes", "body_too_large")
         chunks, size = [], 0
         while True:  # read it whole here, so a body without Content-Length is bounded too
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
+            except asyncio.TimeoutError:
+                msg = f"the body did not arrive within {self.config.body_timeout_s:g} s"
+                return await self._refuse(scope, receive, send, 408, msg, "body_timeout")
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
@@ -523,14 +549,40 @@ class Gatekeeper:
 
         await self.app(scope, replay, send)
 
+    def _foreign(self, headers: dict) -> str | None:
+        """Why a request from a web page on another site (or a rebound DNS name) is refused; None if it is not.
+
+        Browsers send Origin on cross-site requests; API clients send none. An Origin is accepted when it
+        names the host the request was sent to, or (on a loopback server) a loopback name."""
+        host = _hostname(headers.get(b"host", b"").decode("latin-1"))
+        allowed = self.config.allowed_hosts
+        if allowed is not None and host not in allowed:
+            return f"Host {host!r} is not this server's; a server bound to loopback answers {', '.join(allowed)}"
+        origin = headers.get(b"origin")
+        if origin is None:
+            return None
+        text = origin.decode("latin-1")
+        name = _hostname(urlparse(text).netloc) if "://" in text else None
+        if name == host or (allowed is not None and name in allowed):
+            return None
+        return f"requests from web pages on {text} are refused (Origin is not this server)"
+
     def _authorized(self, scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, key = header.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.config.api_key.encode())
 
     async def _refuse(self, scope, receive, send, status: int, message: str, code: str):
-        kind = "authentication_error" if status == 401 else "invalid_request_error"
+        kind = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         await JSONResponse(error_body(message, kind, code=code), status_code=status, headers=headers)(
             scope, receive, send
         )
+
+
+def _hostname(netloc: str) -> str:
+    """`host[:port]` or `[v6]:port` -> the host name, lower case, without brackets or port."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc[1 : netloc.find("]")] if "]" in netloc else netloc
+    return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
