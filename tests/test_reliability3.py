@@ -376,3 +376,82 @@ def test_a_body_that_never_finishes_is_cut_off(local_server):
             reply += chunk
         reply = reply.decode()
     assert reply.startswith("HTTP/1.1 408") and "body_timeout" in reply, reply
+
+
+def test_a_prompt_too_long_by_characters_is_refused_without_tokenizing(chat_target, local_server, monkeypatch):
+    """Protects: a 900 KB prompt is refused by its character count; the tokenizer and template never run."""
+    calls = []
+    monkeypatch.setattr(chat_target, "encode_chat", lambda *a, **k: calls.append(a) or [1])
+    monkeypatch.setattr(chat_target, "encode_raw", lambda *a, **k: calls.append(a) or [1])
+    big = "x" * 900_000
+    r = httpx.post(f"{local_server}/v1/chat/completions", json={"messages": [{"role": "user", "content": big}]})
+    assert "900000 characters" in assert_openai_error(r, 400, "context_length_exceeded")["message"]
+    r = httpx.post(f"{local_server}/v1/completions", json={"prompt": big})
+    assert_openai_error(r, 400, "context_length_exceeded")
+    assert not calls
+
+
+@pytest.mark.parametrize("route,body", [("chat/completions", CHAT), ("completions", {"prompt": "hi", "max_tokens": 4})])
+def test_tokenizing_runs_off_the_event_loop(route, body, chat_target, local_server, monkeypatch):
+    """Protects: while one prompt is being tokenized (templated), /health and other requests are answered."""
+    entered, release = threading.Event(), threading.Event()
+    name = "encode_chat" if route.startswith("chat") else "encode_raw"
+    real = getattr(chat_target, name)
+
+    def slow_encode(*a, **k):
+        entered.set()
+        release.wait(10)
+        return real(*a, **k)
+
+    monkeypatch.setattr(chat_target, name, slow_encode)
+    done = []
+    slow = threading.Thread(
+        target=lambda: done.append(httpx.post(f"{local_server}/v1/{route}", json=body, timeout=60).status_code)
+    )
+    slow.start()
+    try:
+        assert entered.wait(10)
+        assert httpx.get(f"{local_server}/health", timeout=2).status_code == 200
+    finally:
+        release.set()
+        slow.join(60)
+    assert done == [200]
+
+
+def test_long_stop_strings_are_refused(local_server):
+    """Protects: a stop string is capped in length (what a stream holds back is bounded)."""
+    r = httpx.post(f"{local_server}/v1/chat/completions", json={**CHAT, "stop": ["x" * 100_000] * 8})
+    assert "at most 512" in assert_openai_error(r, 400)["message"]
+
+
+def naive_release(text: str, stops: list[str]) -> tuple[str, int]:
+    """(text cut at the first stop string, characters at its end that could begin one): the definition."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return text[: min(hits)], 0
+    held = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+    return text, held
+
+
+def test_incremental_stop_matching_equals_the_definition():
+    """StopMatcher (each character looked at once) cuts and holds back exactly what the definition does."""
+    import random
+
+    from dominospec.serve.text import TextStream
+
+    rng = random.Random(34)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        pieces = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 12))]
+        stream = TextStream(lambda ids, pieces=pieces: "".join(pieces[i] for i in ids), stops)
+        sent = ""
+        for i in range(len(pieces)):
+            sent += stream.add(i)
+            cut, held = naive_release("".join(pieces[: i + 1]), stops)
+            if stream.stopped:
+                assert sent == cut, (stops, pieces)
+                break
+            assert sent == cut[: len(cut) - held], (stops, pieces, i)
+        else:
+            sent += stream.finish()
+            assert sent == naive_release("".join(pieces), stops)[0]

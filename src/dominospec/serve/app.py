@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -70,13 +72,21 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
     gate = gate or Gate()
     metrics = ServerMetrics(engine, gate)
     context = request_context(engine, target)
+    token_chars = getattr(target, "max_token_chars", None) if getattr(target, "tokenizer", None) else None
     created = int(time.time())
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="dominospec-tokenize")
+
+    async def tokenize(encode, *args, **kwargs) -> list[int]:
+        """Tokenizing (and templating) a long prompt takes seconds: off the event loop, one at a time."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(tokenizer_thread, functools.partial(encode, *args, **kwargs))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start()
         yield
         await asyncio.to_thread(engine.shutdown, True, config.request_timeout)
+        tokenizer_thread.shutdown(wait=False)
 
     app = FastAPI(title="dominospec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.gate, app.state.metrics, app.state.engine = gate, metrics, engine
@@ -124,10 +134,14 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         req = parse_body(ChatCompletionRequest, await request.body())
         check_model(req.model, config.model_name)
         conversation = req.conversation()
+        chars = sum(len(m["content"]) for m in conversation)
+        check_chars(chars, req.token_budget(), context, token_chars, "messages")
         kwargs = dict(req.chat_template_kwargs or {})
         thinking = kwargs.pop("enable_thinking", False)
         try:
-            prompt_ids = target.encode_chat(conversation, enable_thinking=bool(thinking), template_kwargs=kwargs)
+            prompt_ids = await tokenize(
+                target.encode_chat, conversation, enable_thinking=bool(thinking), template_kwargs=kwargs
+            )
         except DominoError as exc:
             raise APIError(400, str(exc)) from None
         except Exception as exc:  # the template is the model's own Jinja code; its refusals are the caller's
@@ -145,8 +159,9 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
                 raise APIError(400, f"prompt holds {len(prompt)} prompts; this server takes one", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            check_chars(len(prompt), req.token_budget(), context, token_chars, "prompt")
             try:
-                prompt_ids = target.encode_raw(prompt)
+                prompt_ids = await tokenize(target.encode_raw, prompt)
             except DominoError as exc:
                 raise APIError(400, str(exc)) from None
         else:
@@ -202,6 +217,23 @@ def request_context(engine, target) -> int | None:
     if getattr(engine, "max_len", None) is None:
         return target.max_positions
     return int(engine.max_len) - int(getattr(engine, "block_size", 0) or 0) - 1
+
+
+def check_chars(chars: int, asked: int | None, context: int | None, token_chars: int | None, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose character count alone cannot fit the context: no
+    token covers more than `token_chars` characters (targets/context.py)."""
+    if context is None or not token_chars:
+        return
+    room = max(0, context - (asked if asked is not None else MIN_ANSWER_TOKENS))
+    if chars > room * token_chars:
+        raise APIError(
+            400,
+            f"the prompt has {chars} characters; this server's context of {context} tokens per request leaves "
+            f"{room} tokens for it, at most {room * token_chars} characters (no token covers more than "
+            f"{token_chars})",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_model(name: str | None, served: str) -> None:
