@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import run_cli, save_char_model, tiny_chat_target, tiny_drafter, tiny_target
+from conftest import run_cli, save_char_model, tiny_chat_target, tiny_drafter, tiny_target, write_prompts
 
 from dominospec import SamplingConfig, cli
 from dominospec.engine import EngineRequest
@@ -455,3 +455,89 @@ def test_incremental_stop_matching_equals_the_definition():
         else:
             sent += stream.finish()
             assert sent == naive_release("".join(pieces), stops)[0]
+
+
+# ----- every surface: tiny temperatures are greedy, bad arguments are named -----
+
+
+def test_generate_and_bench_at_temperature_1e_300_decode_greedily(char_model, drafter_dir, tmp_path, capsys):
+    """Protects: generate and bench with --temperature 1e-300 answer (greedily) instead of a traceback."""
+    common = ["--target", char_model, "--max-new-tokens", "6"]
+    rc, err = run_cli(capsys, "generate", "hi", *common, "--drafter", drafter_dir, "--temperature", "1e-300")
+    assert rc == 0 and "sampling is greedy" in err, err
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi", "why?"])
+    argv = ["bench", *common, "--prompts", prompts, "--drafter", drafter_dir, "--methods", "ar,drafters"]
+    rc, err = run_cli(capsys, *argv, "--out", tmp_path / "b", "--temperature", "5e-324", "--no-plots")
+    assert rc == 0 and "Traceback" not in err, err
+
+
+def test_the_transformers_hook_at_temperature_1e_300_equals_greedy():
+    """Protects: generate(do_sample=True, temperature=1e-300) through the hook is greedy, not a crash."""
+    from dominospec.integrations import domino_generate
+
+    target = tiny_target("llama", vocab=64)
+    model = target.model
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    plain = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    ours = model.generate(
+        prompt, max_new_tokens=8, do_sample=True, temperature=1e-300, top_k=0, custom_generate=domino_generate
+    )
+    assert ours.tolist() == plain.tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(backend="jax"), "backend='jax': choose from"),
+        (dict(verify="bogus"), "verify='bogus': choose from"),
+        (dict(block_size=0), "block_size=0"),
+    ],
+)
+def test_the_hook_names_its_own_keyword_arguments(kwargs, message):
+    from dominospec.integrations import domino_generate
+    from dominospec.integrations.transformers import UnsupportedSetting
+
+    model = tiny_target("llama", vocab=64).model
+    with pytest.raises(UnsupportedSetting, match=message.replace("(", r"\(")) as info:
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, custom_generate=domino_generate, **kwargs)
+    assert "--" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--concurrency", "100000"], "at most 1024 clients"),
+        (["--concurrency", ""], "--concurrency '': concurrency levels must be >= 1"),
+        (["--verify", ""], "--verify '' names nothing; choose one or more of"),
+    ],
+)
+def test_bench_arguments_are_named_before_loading(argv, message, tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi"])
+    rc, err = run_cli(capsys, "bench", "--target", NOWHERE, "--prompts", prompts, "--out", tmp_path / "b", *argv)
+    assert rc == 2 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "3"], "--temperature must be in [0, 2]"),
+        (["--builtin", "0"], "--builtin must be at least 1, got 0"),
+        (["--concurrency", "100000"], "--concurrency must be at most 1024"),
+        (["--server-pid", "999999999"], "--server-pid 999999999: no such process"),
+    ],
+)
+def test_loadtest_checks_its_own_arguments(argv, message, capsys):
+    rc, err = run_cli(capsys, "loadtest", "--url", "http://127.0.0.1:9", *argv)
+    assert rc == 2 and message in err, err
+
+
+def test_loadtest_prints_the_first_error_of_each_kind(local_server, capsys):
+    capsys.readouterr()
+    argv = ["loadtest", "--url", local_server, "--builtin", "2", "--duration", "20", "--max-requests", "2"]
+    rc = cli.main([*argv, "--max-tokens", "100000"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "http_400" in out and "this server's context is" in out, out
+    rc = cli.main([*argv, "--concurrency", "50", "--max-tokens", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "2 requests" in out, out

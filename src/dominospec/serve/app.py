@@ -224,7 +224,15 @@ def check_chars(chars: int, asked: int | None, context: int | None, token_chars:
     token covers more than `token_chars` characters (targets/context.py)."""
     if context is None or not token_chars:
         return
-    room = max(0, context - (asked if asked is not None else MIN_ANSWER_TOKENS))
+    if asked is not None and asked >= context:
+        raise APIError(
+            400,
+            f"this server's context is {context} tokens per request, but max_tokens asks for {asked} (and the "
+            "prompt needs at least one): lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    room = context - (asked if asked is not None else MIN_ANSWER_TOKENS)
     if chars > room * token_chars:
         raise APIError(
             400,

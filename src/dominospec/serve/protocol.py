@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 512  # the longest stop string: what a stream holds back while a stop may be forming
 MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
 class APIError(Exception):
@@ -52,7 +53,7 @@ class _Sampling(_Strict):
     """What both endpoints share: sampling, length, stop strings, streaming."""
 
     model: str | None = None  # None: the served model
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)  # an extension (vLLM has it too)
     max_tokens: int | None = Field(default=None, ge=1)
