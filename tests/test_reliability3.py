@@ -541,3 +541,41 @@ def test_loadtest_prints_the_first_error_of_each_kind(local_server, capsys):
     rc = cli.main([*argv, "--concurrency", "50", "--max-tokens", "2"])
     out = capsys.readouterr().out
     assert rc == 0 and "2 requests" in out, out
+
+
+# ----- export --mask-token-id: the row SGLang overwrites -----
+
+
+@pytest.mark.parametrize("which", ["eos", "end_of_turn", "pad"])
+def test_export_refuses_a_special_id_as_the_mask_row(which, tmp_path):
+    """Protects: SGLang writes a learned mask into row mask_token_id of the target's embeddings: never EOS,
+    the chat template's end of turn, or pad (issue 34, Medium)."""
+    from dominospec import DominoError
+    from dominospec.export import export_drafter
+
+    target = tiny_chat_target(dtype=torch.float32)
+    tok = target.tokenizer
+    mask = {"eos": target.eos_ids[0], "end_of_turn": tok.convert_tokens_to_ids("<|im_end|>"), "pad": tok.pad_token_id}
+    drafter = tiny_drafter(target, mask_token_id=None)
+    with pytest.raises(DominoError, match=f"--mask-token-id {mask[which]} is the target's special token"):
+        export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=mask[which])
+    start = tok.convert_tokens_to_ids("<|im_start|>")  # written by the chat template around every message
+    with pytest.raises(DominoError, match="written by its chat template"):
+        export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=start)
+    assert not (tmp_path / "out").exists()
+    report = export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=40)  # a plain character
+    assert report["mask_token_id"] == 40
+
+
+def test_a_learned_mask_on_a_tied_target_needs_allow_approx(tmp_path):
+    """Protects: on tied embeddings the mask row is the LM head's row too; refused unless --allow-approx, and
+    then the report says why."""
+    from dominospec import DominoError
+    from dominospec.export import export_drafter
+
+    target = tiny_target("llama", vocab=64, tied=True)
+    drafter = tiny_drafter(target, mask_token_id=None)
+    with pytest.raises(DominoError, match="ties its embeddings to its LM head"):
+        export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=5)
+    report = export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=5, allow_approx=True)
+    assert report["status"] == "approximate" and any("ties its embeddings" in a for a in report["approximations"])

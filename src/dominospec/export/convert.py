@@ -317,6 +317,54 @@ def serve_command(plan: Plan, out: Path, target, block_size: int) -> str | None:
     return None
 
 
+def special_ids(target) -> dict[int, str]:
+    """Special ids the target reads or writes in every chat -> a name: EOS (end of turn included), pad, BOS,
+    and the special tokens its chat template writes around a message."""
+    out: dict[int, str] = {}
+    tok = getattr(target, "tokenizer", None)
+    if tok is not None and getattr(tok, "chat_template", None):
+        special = {int(i) for i in getattr(tok, "all_special_ids", [])}
+        special |= {int(i) for i, t in (getattr(tok, "added_tokens_decoder", None) or {}).items() if t.special}
+        try:
+            written = target.encode_chat([{"role": "user", "content": "x"}])
+        except Exception:  # a template that needs more than one message: the named ids below still count
+            written = []
+        for i in written:
+            if i in special:
+                out[i] = f"{tok.convert_ids_to_tokens(i)!r} (written by its chat template)"
+    cfg = target.model.config
+    for i in target.eos_ids:
+        out[int(i)] = "EOS"
+    for label, i in (("pad", target.pad_id), ("BOS", getattr(cfg, "bos_token_id", None))):
+        if isinstance(i, int):
+            out.setdefault(i, label)
+    return out
+
+
+def check_mask_row(plan: Plan, target, allow_approx: bool) -> None:
+    """SGLang writes a learned mask vector into row mask_token_id of the target's embedding table.
+
+    That row must not be a special token's (EOS, end of turn, pad, ...: the target reads them in every
+    chat). On a target with tied embeddings the table is also the LM head, so the written row changes the
+    target's logit for that token at every position: refused unless --allow-approx, and reported."""
+    if not plan.mask_file:
+        return
+    mask, specials = plan.mask_token_id, special_ids(target)
+    if mask in specials:
+        raise DominoError(
+            f"--mask-token-id {mask} is the target's special token {specials[mask]}: SGLang writes the mask vector "
+            f"into that row of the target's embedding table; choose an unused, non-special id"
+        )
+    if getattr(target.model.config, "tie_word_embeddings", False):
+        why = (
+            f"the target ties its embeddings to its LM head, so the mask vector SGLang writes into row {mask} also "
+            f"changes the target's own logit for token {mask} at every position (it may then draft and accept it)"
+        )
+        if not allow_approx:
+            raise DominoError(f"--to sglang with a learned mask vector: {why}; pass --allow-approx to write it anyway")
+        plan.approximations.append(why)
+
+
 def check_against_contract(tensors: dict[str, torch.Tensor], expected: dict, dtype: torch.dtype) -> None:
     """The export holds exactly the contract's tensors, with its shapes and dtypes, all finite."""
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -442,6 +490,7 @@ def export_drafter(
     c = drafter.config
     plan = plan_export(c, fmt, mask_token_id, allow_approx)
     drafter.check_fits(target)
+    check_mask_row(plan, target, allow_approx)
     if dtype is not None and dtype not in DTYPES:
         raise DominoError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if dtype is None:  # SGLang runs Domino in bf16 only; otherwise keep the drafter's own precision
