@@ -21,7 +21,7 @@ from .proposers import PlainProposer, make_proposer
 from .result import GenerationResult
 from .rollout import Proposal
 from .schedule import VerifyPolicy
-from .step import OneCache, SeqState, make_generator, prefill, step
+from .step import OneCache, SeqState, commit_first, make_generator, prefill, step
 
 
 def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -135,13 +135,15 @@ def decode(
     t0 = time.perf_counter()
     side = OneCache(target, max_len=res.prompt_len + budget + b + 1)
     proposer.claim(row)
-    new = prefill(row, side, proposer, len(row.prompt), layers)
+    new = commit_first(row, prefill(row, side, proposer, len(row.prompt), layers), proposer)
     synchronize(dev)
     res.prefill_s = time.perf_counter() - t0
     if on_tokens:
         on_tokens(new)
     while not row.done:
         out = step([row], proposer, policy, side, target.max_positions, layers, timed=True)
+        if out.errors[0] is not None:
+            raise out.errors[0]
         res.draft_s += out.draft_s
         res.verify_s += out.verify_s
         p, k, n = out.plan.proposals[0], out.plan.verify[0], out.accepted[0]

@@ -137,9 +137,9 @@ class RowCache:
 # ----- prefill: a prompt chunk, and the first token when the prompt is in -----
 
 
-def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> list[int]:
-    """The next n prompt tokens of `seq` into its cache slot; when that completes the prompt, draw and
-    commit the first token (returned; [] before)."""
+def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> torch.Tensor | None:
+    """The next n prompt tokens of `seq` into its cache slot; when that completes the prompt, the logits
+    after it ([V], for `commit_first`), else None."""
     dev = side.target.device
     last = seq.prefilled + n == len(seq.prompt)
     ids = torch.tensor([seq.prompt[seq.prefilled : seq.prefilled + n]], device=dev)  # [1, n]
@@ -148,9 +148,12 @@ def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> list[int]:
     if feats:
         proposer.extend(seq, out.features)
     seq.prefilled += n
-    if not last:
-        return []
-    tok = first_token(out.logits[0, -1], seq.sampling, seq.gen)
+    return out.logits[0, -1] if last else None
+
+
+def commit_first(seq: SeqState, logits_row: torch.Tensor, proposer) -> list[int]:
+    """After the prompt: draw and commit the first token (logits_row [V]); the proposer observes it."""
+    tok = first_token(logits_row, seq.sampling, seq.gen)
     seq.res.tokens.append(tok)
     seq.done = tok in seq.eos or seq.budget <= 1
     proposer.observe(seq, None, 0, 0, None)  # the first token is committed (prompt lookup indexes it)
@@ -181,6 +184,7 @@ class StepResult:
     plan: StepPlan
     accepted: list[int]  # [R] n_r: drafts the target accepted (before any EOS / budget cut)
     new: list[list[int]]  # [R] tokens committed per row
+    errors: list[Exception | None]  # [R] a row whose sampling failed: nothing committed, its cache rolled back
     draft_s: float = 0.0  # proposing, choosing k, the proposer's observe (timed steps only)
     verify_s: float = 0.0  # the target forward, acceptance and rollback (timed steps only)
 
@@ -223,14 +227,15 @@ def accept(seq: SeqState, proposal: Proposal | None, k: int, logits: torch.Tenso
     return accept_rejection(drafts, draft_probs, warp_probs(logits, seq.sampling), seq.gen)
 
 
-def accept_rows(plan: StepPlan, logits: torch.Tensor, first_slot: int) -> tuple[list[int], list[int]]:
-    """(n [R], next token [R]) for every row of the plan; logits [R', S, V] over slots first_slot...
+def accept_rows(plan: StepPlan, logits: torch.Tensor, first_slot: int) -> tuple[list, list, list]:
+    """(n [R], next token [R], error [R]) for every row of the plan; logits [R', S, V] over slots first_slot...
 
     Greedy rows read one argmax over the whole batch; sampled rows are rejection-sampled one by one with
-    their own generators, in row order (so a row draws exactly what it would alone)."""
+    their own generators, in row order (so a row draws exactly what it would alone). A row whose sampling
+    raises gets its exception in `error` (n, token None): it fails alone, the other rows go on."""
     greedy = [r.sampling.greedy for r in plan.rows]
     choice = logits.argmax(-1).tolist() if any(greedy) else None  # [R', S] the target's own picks
-    ns, nxts = [], []
+    ns, nxts, errors = [], [], []
     for r, p, k, g in zip(plan.rows, plan.proposals, plan.verify, greedy):
         i = r.slot - first_slot
         if g:
@@ -241,11 +246,16 @@ def accept_rows(plan: StepPlan, logits: torch.Tensor, first_slot: int) -> tuple[
                 n += 1
             ns.append(n)
             nxts.append(picks[n])
+            errors.append(None)
         else:
-            n, nxt = accept(r, p, k, logits[i, : k + 1])
+            try:
+                n, nxt, err = *accept(r, p, k, logits[i, : k + 1]), None
+            except Exception as exc:  # e.g. a distribution torch cannot sample from
+                n, nxt, err = None, None, exc
             ns.append(n)
             nxts.append(nxt)
-    return ns, nxts
+            errors.append(err)
+    return ns, nxts, errors
 
 
 def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int, cycle: bool = True) -> list[int]:
@@ -289,19 +299,22 @@ def step(
     ids, _ = pad_blocks(blocks)  # [R', S]
     feats = proposer.needs_features
     out = side.forward(ids, num_new, start=lo, layer_ids=layer_ids, with_features=feats)  # logits [R', S, V]
-    accepted, nxts = accept_rows(plan, out.logits, lo)
+    accepted, nxts, errors = accept_rows(plan, out.logits, lo)
     for r, n in zip(plan.rows, accepted):  # keep the context, the anchor and the accepted drafts
-        side.set_length(r.slot, r.committed_len + n)
+        side.set_length(r.slot, r.committed_len + (n or 0))
     t2 = _clock(dev, timed)
     new = []
     for r, p, k, n, nxt in zip(plan.rows, plan.proposals, plan.verify, accepted, nxts):
+        if n is None:  # its sampling failed: nothing committed
+            new.append([])
+            continue
         new.append(commit(r, p, k, n, nxt, proposer.counts_cycles))
         i = r.slot - lo
         proposer.observe(r, p, k, n, out.features[i : i + 1, : n + 1] if feats else None)  # [1, n+1, F]
         if p is not None:
             policy.observe(p, k, n)
     t3 = _clock(dev, timed)
-    return StepResult(plan, accepted, new, (t1 - t0) + (t3 - t2), t2 - t1)
+    return StepResult(plan, accepted, new, errors, (t1 - t0) + (t3 - t2), t2 - t1)
 
 
 def _clock(device, timed: bool) -> float:

@@ -26,10 +26,11 @@ import torch
 
 from ..decode.proposers import make_proposer
 from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, check_verify_mode
-from ..decode.step import RowCache, SeqState, make_generator, prefill, step
+from ..decode.step import RowCache, SeqState, commit_first, make_generator, prefill, step
 from ..devices import release_openmp_workers
 from ..errors import DominoError
 from ..tune.policy import make_policy
+from .memory import check_slots_fit
 from .request import EngineFull, EngineRequest, RequestHandle, RequestResult
 
 POLICIES = tuple(VERIFY_MODES)
@@ -75,6 +76,7 @@ class Engine:
         if limit is not None and self.max_len > limit:
             raise DominoError(f"engine max_len {self.max_len} exceeds the target's context of {limit} positions")
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        check_slots_fit(target, self.drafter, max_batch, self.max_len)  # before allocating: say what fits
         self.side = RowCache(target, max_batch, self.max_len)  # DominoError without target.supports_rows
         self.cache = self.side.cache
         self.use_lookup = lookup and policy != "plain"
@@ -271,9 +273,15 @@ class Engine:
         waiting = sorted((r for r in self._rows if r is not None and r.seq.prefilled < len(r.seq.prompt)), key=_age)
         chunks = prefill_chunks([len(r.seq.prompt) - r.seq.prefilled for r in waiting], self.prefill_chunk)
         for row, n in zip(waiting, chunks):
-            new = prefill(row.seq, self.side, self.proposer, n, self.layers)
-            if new:
-                self._emit(row, new)
+            logits = prefill(row.seq, self.side, self.proposer, n, self.layers)
+            if logits is None:
+                continue
+            try:
+                first = commit_first(row.seq, logits, self.proposer)
+            except Exception as exc:  # this row's sampling failed: it ends, the batch goes on
+                self._finish(row, "error", f"sampling failed: {type(exc).__name__}: {exc}")
+                continue
+            self._emit(row, first)
         return bool(chunks)
 
     def _decode(self) -> bool:
@@ -284,7 +292,10 @@ class Engine:
         if not out.plan.draft:
             with self._lock:
                 self._stats["draft_skipped"] += 1
-        for r, k, n, new in zip(rows, out.plan.verify, out.accepted, out.new):
+        for r, k, n, new, err in zip(rows, out.plan.verify, out.accepted, out.new, out.errors):
+            if err is not None:  # this row's sampling failed: it ends, the batch goes on
+                self._finish(r, "error", f"sampling failed: {type(err).__name__}: {err}")
+                continue
             if self.proposer.counts_cycles:
                 self._record_cycle(k, n, len(new))
             self._emit(r, new)
