@@ -211,6 +211,8 @@ def block_tokens(seq: SeqState, proposal: Proposal | None, k: int, device) -> to
 def pad_blocks(blocks: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, list[int]]:
     """Ragged blocks -> (ids [R, S] right-padded, lengths [R])."""
     lens = [int(b.shape[0]) for b in blocks]
+    if len(blocks) == 1:  # one row (the batch-1 loop): nothing to pad
+        return blocks[0][None], lens
     ids = torch.full((len(blocks), max(lens)), pad, dtype=torch.long, device=blocks[0].device)
     for r, b in enumerate(blocks):
         ids[r, : lens[r]] = b
