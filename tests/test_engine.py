@@ -148,19 +148,26 @@ def _soft_target():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["plain", "cost", "cost-skipping"])
+@pytest.mark.parametrize("policy", ["plain", "cost", "cost-skipping", "cost-greedy-mates"])
 def test_engine_sampling_preserves_the_target_distribution_with_rows_joining_and_leaving(policy):
-    """cost-skipping: a draft pass so dear that the policy runs many steps without one (and probes)."""
+    """cost-skipping: a draft pass so dear that the policy runs many steps without one (and probes).
+    cost-greedy-mates: the joining rows decode greedily, so the scheduler walks past its first drop for
+    them in the same batch, and the sampled rows keep the target's distribution. (This drafter's confidences
+    hardly read the drafts, so a sampled row walking on would not show here: the rule itself is pinned
+    exactly by test_a_sampled_row_keeps_the_first_drop_beside_a_greedy_row.)"""
     target = _soft_target()
     drafter = tiny_drafter(target, block_size=3, seed=4, confidence=True) if policy != "plain" else None
     costs = CostTable({0: [1.0, 1.1, 1.2, 1.3]}, draft_s=0.3 if policy == "cost-skipping" else 0.0)
+    if policy == "cost-greedy-mates":  # a bump at the first draft of two rows: the curve drops, then rises again
+        costs = CostTable({0: [1.0, 1.1, 1.4, 1.45, 1.5, 1.55]})  # (the greedy walk then changes most cuts)
     engine = Engine(target, drafter, policy=policy.split("-")[0], costs=costs, max_batch=4, prefill_chunk=3)
     prompt, n = [1, 2, 3, 4], 800
     handles = []
     for i in range(n):  # other requests (longer, different prompts) keep joining and leaving between them
         handles.append(engine.submit(EngineRequest(prompt, 3, T1, seed=i, eos_ids=[])))
         if i % 3 == 0:
-            engine.submit(EngineRequest([5, 6, 7, 1, 2], 1 + i % 7, T1, seed=n + i, eos_ids=[]))
+            mate = GREEDY if policy == "cost-greedy-mates" else T1
+            engine.submit(EngineRequest([5, 6, 7, 1, 2], 1 + i % 7, mate, seed=n + i, eos_ids=[]))
         if i % 4 == 3:
             engine.run_until_idle() if i % 8 == 7 else engine.step()
     engine.run_until_idle()
@@ -284,6 +291,19 @@ def test_batch_scheduler_on_dsparks_counterexample_keeps_the_distribution():
 
     assert _first_token_distribution(full_search) == pytest.approx(torch.tensor([0.85, 0.15], dtype=torch.float64))
     assert _first_token_distribution(ours) == pytest.approx(P_T, abs=1e-12)
+
+
+def test_a_sampled_row_keeps_the_first_drop_beside_a_greedy_row():
+    """Protects: in one batch, a greedy row may walk past the first drop but a sampled row may not. On
+    DSpark's counterexample in a two-row batch, the sampled row keeps the target's distribution whether its
+    mate samples or decodes greedily; the control, the same row allowed to walk on, gets (0.85, 0.15)."""
+    policy = CostPolicy(costs=BatchCostTable({2: [1.0, 1.6, 1.7]}))
+    other = Proposal(torch.tensor([0, 1]), None, torch.tensor([2.0, 1.0]))
+    for mate in (SAMPLED, ROW):
+        ours = _first_token_distribution(lambda p, mate=mate: policy.verify_lengths([p, other], [SAMPLED, mate])[0])
+        assert ours == pytest.approx(P_T, abs=1e-12)
+    walking = _first_token_distribution(lambda p: policy.verify_lengths([p, other], [ROW, SAMPLED])[0])
+    assert walking == pytest.approx(torch.tensor([0.85, 0.15], dtype=torch.float64))
 
 
 def test_batch_cost_table_interpolates_over_total_tokens():
