@@ -80,6 +80,7 @@ def generate_autoregressive(
     res.prefill_s = time.perf_counter() - t0
     while True:
         res.tokens.append(tok)
+        res.sources.append("target")
         if on_tokens:
             on_tokens([tok])
         if tok in eos or len(res.tokens) >= max_new_tokens:

@@ -31,6 +31,7 @@ from ..errors import DominoError
 from ..log import log
 from ..sampling import SamplingConfig
 from ..targets.context import MIN_ANSWER_TOKENS
+from .marks import marked_pieces, spec_metrics
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from .text import TextStream
@@ -168,6 +169,8 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
             sampling=sampling,
             seed=req.seed,
             eos_ids=[] if req.ignore_eos else None,
+            marks=True,
+            speculative=req.speculative,
         )
         gen = Generation.submit(engine, ereq, gate, config, asyncio.get_running_loop())
         metrics.prompt_tokens.inc(len(prompt_ids))
@@ -176,14 +179,20 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         shape = ResponseShape(kind, rid, int(time.time()), config.model_name)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = stream_events(gen, text, shape, len(prompt_ids), include_usage, metrics, arrived)
+            body = stream_events(gen, text, shape, len(prompt_ids), include_usage, metrics, arrived, req.spec_metrics)
             return EventStream(body, gen)
         parts = []
         async for delta in gen.text(text, metrics, arrived, gone=request.is_disconnected):
             parts.append(delta)
         if gen.outcome == "disconnected":
             return Response(status_code=499)  # nobody is listening; the status is for the logs and metrics
-        return JSONResponse(shape.whole("".join(parts), gen.outcome, usage(len(prompt_ids), text.tokens)))
+        answer = "".join(parts)
+        counts = usage(len(prompt_ids), text.tokens)
+        if not req.spec_metrics:
+            return JSONResponse(shape.whole(answer, gen.outcome, counts))
+        marks = marked_pieces(text.pieces(0, len(answer)), gen.sources)
+        counts["spec_metrics"] = gen.spec_metrics(text.tokens)
+        return JSONResponse(shape.whole(answer, gen.outcome, counts, marks))
 
     return app
 
@@ -258,11 +267,13 @@ class Generation:
         self.outcome: str | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.sources: list[str] = []  # per token received: where it came from
+        self.verified: list[int] = []  # per cycle received: drafts the target checked
 
     @classmethod
     def submit(cls, engine, ereq: EngineRequest, gate: Gate, config: ServeConfig, loop) -> Generation:
         gen = cls(loop, gate)
-        ereq.on_tokens = gen._post
+        ereq.on_tokens = lambda tokens, sources, verified: gen._post((tokens, sources, verified))
         ereq.on_finish = gen._post
         try:
             gen.handle = engine.submit(ereq)
@@ -344,12 +355,15 @@ class Generation:
                         yield tail
                     self.outcome = item.finish_reason
                     return
+                tokens, sources, verified = item
+                self.sources.extend(sources)
+                self.verified.append(verified)
                 now = time.monotonic()
-                if self.first_token_at is None and item:
+                if self.first_token_at is None and tokens:
                     self.first_token_at = now
                     metrics.ttft.observe(now - arrived)
                 self.last_token_at = now
-                delta = "".join(stream.add(t) for t in item)
+                delta = "".join(stream.add(t) for t in tokens)
                 if delta:
                     yield delta
                 if stream.stopped:
@@ -365,6 +379,10 @@ class Generation:
             if self.first_token_at is not None and stream.tokens > 1:
                 metrics.tpot.observe((self.last_token_at - self.first_token_at) / (stream.tokens - 1))
             metrics.latency.observe(time.monotonic() - arrived)
+
+    def spec_metrics(self, answer_tokens: int) -> dict:
+        """usage.spec_metrics of the answer's first answer_tokens tokens."""
+        return spec_metrics(self.sources[:answer_tokens], self.verified)
 
     def _check_end(self, result: RequestResult) -> None:
         if self.timed_out:
@@ -390,7 +408,8 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, marks: list | None = None) -> dict:
+        """marks: the spec_tokens extension ([text, source] pieces), only when the request asked for it."""
         if self.kind == "chat":
             choice = {
                 "index": 0,
@@ -398,21 +417,27 @@ class ResponseShape:
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
-            return self._envelope("chat.completion", [choice], usage=usage)
+            return self._envelope("chat.completion", [_marked(choice, marks)], usage=usage)
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage)
+        return self._envelope("text_completion", [_marked(choice, marks)], usage=usage)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(
+        self, text: str | None, finish_reason: str | None = None, role: bool = False, marks: list | None = None
+    ) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
+            return self._envelope("chat.completion.chunk", [_marked(choice, marks)])
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
+        return self._envelope("text_completion", [_marked(choice, marks)])
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return self._envelope(obj, [], usage=usage)
+
+
+def _marked(choice: dict, marks: list | None) -> dict:
+    return choice if marks is None else {**choice, "spec_tokens": marks}
 
 
 def sse(payload: dict | str) -> str:
@@ -427,8 +452,11 @@ async def stream_events(
     include_usage: bool,
     metrics: ServerMetrics,
     arrived: float,
+    with_marks: bool = False,
 ) -> AsyncIterator[str]:
     """Server-sent events: a role chunk (chat), text chunks, the finish chunk, usage if asked, [DONE].
+    with_marks (the spec_metrics extension): each text chunk carries its spec_tokens, and the usage
+    chunk, always sent then, usage.spec_metrics.
 
     Starlette cancels this generator when the client disconnects; leaving `gen.text` then cancels
     the engine request. An error after the first byte is sent as an error event, as OpenAI does.
@@ -437,11 +465,17 @@ async def stream_events(
     try:
         if shape.kind == "chat":
             yield sse(shape.chunk(None, role=True))
+        sent = 0  # characters of the answer already sent
         async for delta in pieces:
-            yield sse(shape.chunk(delta))
+            marks = marked_pieces(text.pieces(sent, sent + len(delta)), gen.sources) if with_marks else None
+            sent += len(delta)
+            yield sse(shape.chunk(delta, marks=marks))
         yield sse(shape.chunk(None, finish_reason=gen.outcome))
-        if include_usage:
-            yield sse(shape.usage_chunk(usage(prompt_tokens, text.tokens)))
+        if include_usage or with_marks:
+            counts = usage(prompt_tokens, text.tokens)
+            if with_marks:
+                counts["spec_metrics"] = gen.spec_metrics(text.tokens)
+            yield sse(shape.usage_chunk(counts))
     except APIError as exc:
         yield sse(exc.body())
     finally:
