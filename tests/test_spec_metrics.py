@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import pty
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import tiny_chat_target, tiny_drafter
+from conftest import run_cli_json, tiny_chat_target, tiny_drafter
 
+import dominospec
+from dominospec import cli
 from dominospec.decode import PromptLookup, generate_speculative
 from dominospec.engine import Engine, EngineRequest
 from dominospec.serve import ServeConfig, free_port, make_server
@@ -175,3 +183,51 @@ def test_plain_and_speculative_rows_share_a_batch_without_changing_each_other(ta
         assert result.tokens == run([prompt], [flag])[0].tokens
     assert set(mixed[1].sources) == {"target"} and sum(mixed[1].verified) == 0
     assert any(s != "target" for s in mixed[0].sources + mixed[2].sources)
+
+
+# ----- generate: the marks in a terminal -----
+
+SRC = Path(dominospec.__file__).resolve().parents[1]  # the subprocess imports the package under test
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def generate_on_a_terminal(char_model, *extra) -> str:
+    """stdout of `dominospec generate` run on a pseudo-terminal (it sees a TTY)."""
+    primary, secondary = pty.openpty()
+    cmd = [sys.executable, "-m", "dominospec.cli", "generate", "hi hi hi", "--target", str(char_model)]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen(
+        [*cmd, "--drafter", "lookup", "--max-new-tokens", "30", *extra],
+        stdout=secondary,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    os.close(secondary)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(primary)
+    assert proc.wait(timeout=120) == 0
+    return out.decode().replace("\r\n", "\n")
+
+
+@pytest.mark.slow
+def test_generate_colours_tokens_by_source_only_on_a_terminal(char_model, capsys):
+    rc, out, _ = run_cli_json(capsys, "generate", "hi hi hi", "--target", char_model, "--drafter", "lookup",
+                              "--max-new-tokens", "30", "--json")  # fmt: skip
+    assert rc == 0 and out["lookup_cycles"] > 0  # copies were accepted: there is something to colour
+    cli.main(["generate", "hi hi hi", "--target", str(char_model), "--drafter", "lookup", "--max-new-tokens", "30"])
+    piped = capsys.readouterr().out  # not a terminal: plain text
+    assert "\x1b" not in piped and piped == out["text"]
+
+    coloured = generate_on_a_terminal(char_model)
+    assert "\x1b[36m" in coloured  # a prompt-lookup copy, in cyan
+    assert ANSI.sub("", coloured) == out["text"]  # the colours change nothing else
+    assert generate_on_a_terminal(char_model, "--no-color") == out["text"]
