@@ -4,46 +4,26 @@ a character tokenizer, a tiny drafter and prompt lookup, greedy so the answers a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pty
 import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import run_cli_json, tiny_chat_target, tiny_drafter
+from conftest import run_cli_json, serve_in_thread, tiny_chat_target, tiny_drafter
 
 import dominospec
 from dominospec import cli
 from dominospec.decode import PromptLookup, generate_speculative
 from dominospec.engine import Engine, EngineRequest
-from dominospec.serve import ServeConfig, free_port, make_server
 from dominospec.serve.marks import cycle_acceptance, spec_metrics
 
 MESSAGES = [{"role": "user", "content": "abcabcabcabc abcabc"}]
-
-
-@contextlib.contextmanager
-def running_server(engine, target):
-    server = make_server(engine, target, ServeConfig(model_name=target.name), port=free_port())
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +39,7 @@ def drafter(target):
 @pytest.fixture(scope="module")
 def base(target, drafter):
     engine = Engine(target, drafter, lookup=True, policy="fixed", max_batch=4)
-    with running_server(engine, target) as url:
+    with serve_in_thread(engine, target) as url:
         yield url
 
 
