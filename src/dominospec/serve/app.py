@@ -8,7 +8,9 @@ finishes, hits a stop string, runs past the time limit, or its client goes away;
 the slot at its next step.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
-GET /metrics. Every error has OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+GET /metrics, and the playground: GET / and its files under /playground/ (static, no data: they need
+no API key, while every call the page makes does). Every error has OpenAI's body:
+{"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.resources
 import json
 import time
 import uuid
@@ -37,7 +40,17 @@ from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_
 from .text import TextStream
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
-ROUTES = (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics")
+ROUTES = (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics", "/")
+PLAYGROUND = importlib.resources.files(__package__) / "playground"
+# the playground's files, by name: what the page loads, all from this server
+PLAYGROUND_FILES = {"index.html": "text/html", "playground.js": "text/javascript", "playground.css": "text/css"}
+# the page may load and call nothing but this server
+PLAYGROUND_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -106,6 +119,16 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
     async def get_model(model_id: str):
         check_model(model_id, config.model_name)
         return model_card()
+
+    @app.get("/")
+    async def playground():
+        return playground_file("index.html")
+
+    @app.get("/playground/{name}")
+    async def playground_asset(name: str):
+        if name not in PLAYGROUND_FILES:
+            raise APIError(404, f"the playground has no file {name!r}", type="not_found_error")
+        return playground_file(name)
 
     @app.get("/metrics")
     async def prometheus():
@@ -195,6 +218,11 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         return JSONResponse(shape.whole(answer, gen.outcome, counts, marks))
 
     return app
+
+
+def playground_file(name: str) -> Response:
+    body = (PLAYGROUND / name).read_bytes()
+    return Response(body, media_type=f"{PLAYGROUND_FILES[name]}; charset=utf-8", headers=PLAYGROUND_HEADERS)
 
 
 def request_context(engine, target) -> int | None:
@@ -422,14 +450,23 @@ class ResponseShape:
         return self._envelope("text_completion", [_marked(choice, marks)], usage=usage)
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, role: bool = False, marks: list | None = None
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        marks: list | None = None,
+        progress: dict | None = None,
     ) -> dict:
+        """marks, progress: the spec_metrics extension's spec_tokens and spec_progress, when asked for."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [_marked(choice, marks)])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [_marked(choice, marks)])
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = _marked(choice, marks)
+        if progress is not None:
+            choice["spec_progress"] = progress
+        return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [choice])
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -467,9 +504,12 @@ async def stream_events(
             yield sse(shape.chunk(None, role=True))
         sent = 0  # characters of the answer already sent
         async for delta in pieces:
-            marks = marked_pieces(text.pieces(sent, sent + len(delta)), gen.sources) if with_marks else None
+            marks = progress = None
+            if with_marks:
+                marks = marked_pieces(text.pieces(sent, sent + len(delta)), gen.sources)
+                progress = {"cycles": len(gen.verified), "drafted": sum(gen.verified)}
             sent += len(delta)
-            yield sse(shape.chunk(delta, marks=marks))
+            yield sse(shape.chunk(delta, marks=marks, progress=progress))
         yield sse(shape.chunk(None, finish_reason=gen.outcome))
         if include_usage or with_marks:
             counts = usage(prompt_tokens, text.tokens)
@@ -500,6 +540,11 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def _public(path: str) -> bool:
+    """Routes open without the API key: the health check and the playground's static files."""
+    return path in ("/health", "/") or path.startswith("/playground/")
+
+
 class Gatekeeper:
     """ASGI middleware in front of every route: counts responses by status, checks the API key,
     and refuses oversized bodies (413) before the app reads them."""
@@ -525,7 +570,7 @@ class Gatekeeper:
             self.metrics.requests.labels(route, str(status)).inc()
 
     async def _checked(self, scope, receive, send):
-        if self.config.api_key is not None and scope["path"] != "/health" and not self._authorized(scope):
+        if self.config.api_key is not None and not _public(scope["path"]) and not self._authorized(scope):
             return await self._refuse(scope, receive, send, 401, "invalid or missing API key", "invalid_api_key")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
