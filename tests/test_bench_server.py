@@ -4,6 +4,7 @@ category at two concurrency levels, speculative against plain, in one report."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -88,3 +89,19 @@ def test_bench_server_reports_each_category_and_level_and_compares_runs(target, 
 def test_bench_server_refuses_other_machines_before_running(capsys, tmp_path):
     rc, err = run_cli(capsys, "bench", "--server", "http://example.com:8000", "--prompts", "x", "--out", tmp_path)
     assert rc == 2 and "this machine" in err
+
+
+@pytest.mark.slow
+def test_loadtest_writes_rss_and_latency_over_time(target, prompt_files, tmp_path, capsys):
+    with serve_in_thread(Engine(target, max_batch=2), target) as url:
+        rc, err = run_cli(capsys, "loadtest", "--url", url, "--concurrency", "2", "--duration", "2",
+                          "--max-tokens", "8", "--prompts", prompt_files[0], "--server-pid", os.getpid(),
+                          "--out", tmp_path)  # fmt: skip
+    assert rc == 0, err
+    report = json.loads((tmp_path / "loadtest.json").read_text())
+    timeline = report["timeline"]
+    assert len(timeline) == report["requests"] > 0 and report["rss_mb"]
+    assert [row[0] for row in timeline] == sorted(row[0] for row in timeline)  # in start order
+    assert all(ttft <= latency and 0 < tokens <= 8 for _, ttft, latency, tokens in timeline)
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "loadtest.png").stat().st_size > 0

@@ -7,6 +7,7 @@ import json
 from ..data.builtin import builtin_prompts
 from ..data.prompts import read_first_turns
 from ..errors import DominoError
+from ..io import ensure_writable_dir
 from ..log import log
 from .common import require_at_least
 from .serve import need_serve_extra
@@ -16,12 +17,13 @@ HELD_OUT_SEED = 2026  # builtin prompts drawn with a seed the shipped data set d
 
 def cmd_loadtest(args) -> int:
     need_serve_extra()
-    from ..serve.loadtest import LoadTestConfig, check_loopback, run_loadtest
+    from ..serve.loadtest import LoadTestConfig, check_loopback, run_loadtest, write_loadtest
 
     require_at_least(args, 1, "concurrency", "max_requests", "max_tokens")
     if not args.duration > 0:
         raise DominoError(f"--duration must be > 0 seconds, got {args.duration}")
     check_loopback(args.url)
+    out = ensure_writable_dir(args.out) if args.out else None
     if args.prompts:
         prompts = read_first_turns(args.prompts)
     else:
@@ -43,6 +45,8 @@ def cmd_loadtest(args) -> int:
     log(f"loadtest: {args.concurrency} streaming clients for {args.duration:g} s against {args.url}")
     report = run_loadtest(cfg)
     print(json.dumps(report.to_dict()) if args.json else report.table())
+    if out is not None:
+        log("wrote " + ", ".join(str(p) for p in write_loadtest(report, out, plots=not args.no_plots)))
     return 1 if report.errors else 0
 
 
@@ -71,4 +75,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--fault-round", action="store_true", help="disconnects, bad bodies and a burst, halfway")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="also write DIR/loadtest.json (with each request's start, TTFT and latency) and loadtest.png "
+        "(the server's RSS and the latencies over the run; matplotlib, the plots extra)",
+    )
+    p.add_argument("--no-plots", action="store_true", help="with --out: no PNG")
     p.set_defaults(func=cmd_loadtest)
