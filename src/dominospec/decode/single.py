@@ -80,6 +80,7 @@ def generate_autoregressive(
     res.prefill_s = time.perf_counter() - t0
     while True:
         res.tokens.append(tok)
+        res.sources.append("target")
         if on_tokens:
             on_tokens([tok])
         if tok in eos or len(res.tokens) >= max_new_tokens:
@@ -106,6 +107,7 @@ def generate_speculative(
     verify: VerifyPolicy | None = None,
     lookup: PromptLookup | None = None,
     on_cycle: Callable[[Proposal, int, int], None] | None = None,
+    marks: bool = False,
 ) -> GenerationResult:
     """Speculative decoding; output equals `generate_autoregressive` (greedy: token for token).
 
@@ -113,6 +115,7 @@ def generate_speculative(
     takes the lookup continuation when its suffix match has at least lookup.min_match tokens.
     verify: how many of the proposed drafts the target checks each cycle (default: all of them).
     on_cycle(proposal, verified, accepted) sees every cycle (calibration records it).
+    marks: on_tokens(tokens, sources) with each token's source ("drafter", "lookup", "target").
     """
     dev = target.device
     proposer = make_proposer(
@@ -146,7 +149,7 @@ def generate_speculative(
     synchronize(dev)
     res.prefill_s = time.perf_counter() - t0
     if on_tokens:
-        on_tokens(new)
+        on_tokens(new, res.sources[-len(new) :]) if marks else on_tokens(new)
     while not seq.done:
         before = seq.committed_len  # the anchor is the last committed token
         t1 = time.perf_counter()
@@ -180,8 +183,8 @@ def generate_speculative(
             verify.observe(proposal, k, n)
             if on_cycle:
                 on_cycle(proposal, k, n)
-        if on_tokens:
-            on_tokens(new)
+        if on_tokens and new:
+            on_tokens(new, res.sources[-len(new) :]) if marks else on_tokens(new)
     synchronize(dev)
     res.total_s = time.perf_counter() - t0
     return res

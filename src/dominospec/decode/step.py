@@ -92,6 +92,7 @@ def start(seq: SeqState, logits_row: torch.Tensor) -> list[int]:
         seq.lookup.start(seq.prompt)
         seq.lookup.extend([tok])
     seq.res.tokens.append(tok)
+    seq.res.sources.append("target")
     seq.done = tok in seq.eos or seq.budget <= 1
     return [tok]
 
@@ -121,6 +122,8 @@ def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int) -
     res.verified.append(k)
     res.committed.append(len(new))
     res.tokens.extend(new)
+    res.sources.extend(([proposal.source] * n if proposal is not None else []) + ["target"])
+    del res.sources[len(res.tokens) :]  # the cut at EOS / budget
     if seq.lookup is not None:
         seq.lookup.extend(new)
     return new

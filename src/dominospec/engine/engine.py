@@ -170,6 +170,8 @@ class Engine:
                 "tau": committed / cycles if cycles else None,
                 "accept_by_position": [a / cycles for a in self._accept_by_position] if cycles else [],
                 "verified_per_cycle": self._verified_total / cycles if cycles else None,
+                "cycles": cycles,  # running totals, for rates over a window
+                "drafts_verified": self._verified_total,
                 "policy": self.policy_name,
                 "slot_bytes": self.slot_bytes,
             }
@@ -319,7 +321,8 @@ class Engine:
         proposals = [None] * len(rows)
         ks = [0] * len(rows)
         if self.proposer is not None:
-            rooms = [r.seq.room(self.block_size, self.max_len - 1) for r in rows]
+            # a request that asked for plain decoding gets no room to draft in
+            rooms = [r.seq.room(self.block_size, self.max_len - 1) if r.req.speculative else 0 for r in rows]
             seqs = [r.seq for r in rows]
             # decided from earlier steps only (lossless); the hybrid's lookup copies cost nothing and stay
             if self.drafter is not None and not self.policy.wants_draft(len(rows), self.block_size):
@@ -328,6 +331,7 @@ class Engine:
                 proposals = self.proposer.copies(seqs, rooms) if self.use_lookup else [None] * len(rows)
             else:
                 proposals = self.proposer.propose(seqs, rooms)
+            proposals = [p if r.req.speculative else None for r, p in zip(rows, proposals)]
             ks = self.policy.verify_lengths(proposals, [s.committed_len - 1 for s in seqs])
         lo, hi = min(r.slot for r in rows), max(r.slot for r in rows) + 1
         blocks = [torch.zeros(1, dtype=torch.long, device=dev)] * (hi - lo)  # idle slots: 0 new tokens
@@ -354,8 +358,9 @@ class Engine:
                 feats = out.features[i : i + 1, : n + 1] if out.features is not None else None
                 self.proposer.observe(seq, p, k, n, feats)
                 self.policy.observe(p, k, n)
-                self._record_cycle(k, n, len(new))
-            self._emit(r, new)
+                if r.req.speculative:  # a plain request's steps are not the engine's speculation
+                    self._record_cycle(k, n, len(new))
+            self._emit(r, new, k)
         return True
 
     def _record_cycle(self, k: int, n: int, committed: int) -> None:
@@ -367,14 +372,17 @@ class Engine:
                 self._accept_by_position[j] += 1
 
     # ----- leaving -----
-    def _emit(self, row: _Row, new: list[int]) -> None:
+    def _emit(self, row: _Row, new: list[int], verified: int = 0) -> None:
         if row.first is None:
             row.first = time.perf_counter()
         with self._lock:
             self._stats["tokens_out"] += len(new)
         if row.req.on_tokens is not None and new:
             try:
-                row.req.on_tokens(list(new))
+                if row.req.marks:
+                    row.req.on_tokens(list(new), row.seq.res.sources[-len(new) :], verified)
+                else:
+                    row.req.on_tokens(list(new))
             except Exception as exc:  # the caller's callback failed: end its request, not the batch
                 self._finish(row, "error", f"on_tokens raised {type(exc).__name__}: {exc}")
                 return
@@ -401,6 +409,7 @@ class Engine:
             cycles=res.cycles if spec else 0,
             accepted=list(res.accepted) if spec else [],
             verified=list(res.verified) if spec else [],
+            sources=list(res.sources),
             queued_s=(row.admitted or now) - row.submitted,
             ttft_s=None if row.first is None else row.first - row.submitted,
             total_s=now - row.submitted,
