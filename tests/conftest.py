@@ -3,12 +3,14 @@ in float64 so argmax ties cannot flip; tiny drafters; the char-level chat models
 for distribution tests; the CLI runners; the session's one copy of the bundled SmolLM2.
 """
 
+import contextlib
 import itertools
 import json
 import math
 import os
 import random
 import string
+import threading
 import time
 from pathlib import Path
 
@@ -538,3 +540,23 @@ def save_char_model(d: Path, context: int = 64, seed: int = 0) -> Path:
     model.save_pretrained(str(d))
     tok.save_pretrained(str(d))
     return d
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine, target, api_key: str | None = None):
+    """`dominospec serve`'s server over `engine`, in a thread on a free loopback port; yields its base URL."""
+    from dominospec.serve import ServeConfig, free_port, make_server
+
+    server = make_server(engine, target, ServeConfig(model_name=target.name, api_key=api_key), port=free_port())
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the server did not stop"

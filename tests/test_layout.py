@@ -134,7 +134,8 @@ STAGES = [
     {"decode"},  # one speculative step: propose, verify, accept
     {"tune"},  # what the step reads, measured once: the device profile, the STS calibration, the policy built from them
     {"engine", "data", "export"},  # many requests at once; training data; other engines' formats
-    {"train", "bench", "serve", "integrations"},  # what users run
+    {"serve"},  # the engine over HTTP (bench drives a running server: `bench --server`)
+    {"train", "bench", "integrations"},  # what users run
     {"cli"},
     {"__init__"},  # the package's public surface re-exports from any stage
 ]
@@ -183,7 +184,7 @@ def test_stage_check_catches_an_upward_and_a_sibling_import():
     }
     assert stage_violations(graph) == [
         "dominospec.targets.hf (stage 1) imports dominospec.decode.single (stage 3)",
-        "dominospec.train.trainer (stage 6) imports dominospec.bench.runner (stage 6)",
+        "dominospec.train.trainer (stage 7) imports dominospec.bench.runner (stage 7)",
     ]
 
 
@@ -269,7 +270,7 @@ def test_layout_table_check_catches_a_missing_row_and_a_stale_name(tmp_path):
 
 # files the code writes, named in docstrings as outputs, not cited as sources
 # files the program writes (not sources to find), and modules that cite other projects' source files
-WRITTEN_FILES = {"report.md", "concurrency.md", "generate.py", "custom_generate/generate.py"}
+WRITTEN_FILES = {"report.md", "concurrency.md", "server.md", "generate.py", "custom_generate/generate.py"}
 CITES_OTHER_PROJECTS = {"export/contracts.py", "export/plan.py"}  # SGLang/vLLM/speculators/SpecForge file:line
 
 

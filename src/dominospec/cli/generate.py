@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ..decode import PromptLookup, generate_autoregressive, generate_speculative
@@ -26,6 +27,14 @@ from .common import (
     sampling_from_args,
     target_from_args,
     warn_if_reduced_precision,
+)
+
+# ANSI colours of the token sources in a terminal; the target's own tokens stay plain
+COLOURS = {"drafter": "\x1b[32m", "lookup": "\x1b[36m", "target": ""}
+RESET = "\x1b[0m"
+LEGEND = (
+    f"{COLOURS['drafter']}accepted drafter draft{RESET}, {COLOURS['lookup']}prompt-lookup copy{RESET}, "
+    "the target's own token"
 )
 
 
@@ -92,16 +101,9 @@ def cmd_generate(args) -> int:
     if too_long:
         raise DominoError(f"PROMPT {too_long}")
     stream = None
+    colour = not args.json and not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     if not args.json:
-        shown = {"ids": [], "printed": 0}
-
-        def stream(tokens):
-            shown["ids"].extend(tokens)
-            text = target.decode(shown["ids"])
-            sys.stdout.write(text[shown["printed"] :])
-            sys.stdout.flush()
-            shown["printed"] = len(text)
-
+        stream = MarkedPrinter(target.decode, sys.stdout, colour)
     if drafter is None and lookup is None:
         res = generate_autoregressive(target, prompt_ids, args.max_new_tokens, sampling, args.seed, on_tokens=stream)
     else:
@@ -116,7 +118,10 @@ def cmd_generate(args) -> int:
             on_tokens=stream,
             verify=policy,
             lookup=lookup,
+            marks=stream is not None,
         )
+    if stream is not None:
+        stream.finish()
     text = target.decode(res.tokens)
     for note in res.notes:
         log(note)
@@ -137,6 +142,8 @@ def cmd_generate(args) -> int:
         + skipped,
         file=sys.stderr,
     )
+    if colour:
+        print(f"[{mode}] colours: {LEGEND}", file=sys.stderr)
     if res.cycles:
         print(
             f"[{mode}] draft {res.draft_s:.2f}s, verify {res.verify_s:.2f}s, prefill {res.prefill_s:.2f}s; "
@@ -146,6 +153,38 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+class MarkedPrinter:
+    """Prints tokens as they come, each in its source's colour when `colour` (a terminal).
+
+    Called as on_tokens(tokens) (plain decoding: every token is the target's) or
+    on_tokens(tokens, sources). A token's text is what decoding it adds to the text so far; a token
+    that ends inside a UTF-8 character waits for the one that completes it."""
+
+    def __init__(self, decode, out, colour: bool):
+        self.decode, self.out, self.colour = decode, out, colour
+        self.ids: list[int] = []
+        self.printed = 0  # characters of the decoded text already written
+
+    def __call__(self, tokens: list[int], sources: list[str] | None = None) -> None:
+        for tok, source in zip(tokens, sources or ["target"] * len(tokens)):
+            self.ids.append(tok)
+            text = self.decode(self.ids)
+            if text.endswith("\ufffd"):
+                continue
+            self._write(text[self.printed :], source)
+            self.printed = len(text)
+        self.out.flush()
+
+    def finish(self) -> None:
+        self._write(self.decode(self.ids)[self.printed :], "target")
+        self.out.flush()
+
+    def _write(self, piece: str, source: str) -> None:
+        if piece and self.colour and COLOURS.get(source):
+            piece = f"{COLOURS[source]}{piece}{RESET}"
+        self.out.write(piece)
 
 
 def add_parser(sub) -> None:
@@ -190,6 +229,12 @@ def add_parser(sub) -> None:
         "off by default, and templates without the switch ignore it",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument(
+        "--no-color",
+        action="store_true",
+        help="plain text even on a terminal (by default a terminal shows accepted drafter drafts in green and "
+        "prompt-lookup copies in cyan; $NO_COLOR does the same)",
+    )
     add_verify_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

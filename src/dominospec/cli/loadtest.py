@@ -8,6 +8,7 @@ from pathlib import Path
 from ..data.builtin import builtin_prompts
 from ..data.prompts import read_first_turns
 from ..errors import DominoError
+from ..io import ensure_writable_dir
 from ..log import log
 from ..sampling import check_sampling
 from .common import require_at_least
@@ -18,10 +19,11 @@ HELD_OUT_SEED = 2026  # builtin prompts drawn with a seed the shipped data set d
 
 def cmd_loadtest(args) -> int:
     need_serve_extra()
-    from ..serve.loadtest import LoadTestConfig, check_loopback, run_loadtest
+    from ..serve.loadtest import LoadTestConfig, check_loopback, run_loadtest, write_loadtest
 
     check_loadtest_args(args)
     check_loopback(args.url)
+    out = ensure_writable_dir(args.out) if args.out else None
     if args.prompts:
         prompts = read_first_turns(args.prompts)
     else:
@@ -43,6 +45,8 @@ def cmd_loadtest(args) -> int:
     log(f"loadtest: {cfg.concurrency} streaming clients for {args.duration:g} s against {args.url}")
     report = run_loadtest(cfg)
     print(json.dumps(report.to_dict()) if args.json else report.table())
+    if out is not None:
+        log("wrote " + ", ".join(str(p) for p in write_loadtest(report, out, plots=not args.no_plots)))
     if report.requests == 0:
         log("loadtest: no request was sent")
         return 1
@@ -98,4 +102,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--fault-round", action="store_true", help="disconnects, bad bodies and a burst, halfway")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="also write DIR/loadtest.json (with each request's start, TTFT and latency) and loadtest.png "
+        "(the server's RSS and the latencies over the run; matplotlib, the plots extra)",
+    )
+    p.add_argument("--no-plots", action="store_true", help="with --out: no PNG")
     p.set_defaults(func=cmd_loadtest)

@@ -161,8 +161,8 @@ def add_parser(sub) -> None:
         "serve",
         help="serve the target over an OpenAI-compatible HTTP API",
         description="An OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; GET /v1/models, "
-        "/health, /metrics) on the batched engine, with speculative decoding. SIGTERM drains running "
-        "requests and exits 0.",
+        "/health, /metrics) on the batched engine, with speculative decoding, and a playground page at / "
+        "(open it in a browser). SIGTERM drains running requests and exits 0.",
     )
     add_target_args(p)
     p.add_argument(
@@ -206,8 +206,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $DOMINOSPEC_API_KEY, "
-        "else no key)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and the playground's static "
+        "files (the page asks for the key) (default: $DOMINOSPEC_API_KEY, else no key)",
     )
     p.add_argument(
         "--request-timeout",

@@ -7,12 +7,17 @@ Two per-cycle lists carry different facts:
                  then cut at EOS / max-new-tokens). tau is computed from it.
   verified[i]  = drafts the target checked in cycle i (its forward covered verified[i] + 1 tokens);
                  verified - accepted of them were wasted.
+and one per-token list:
+  sources[j]   = where new token j came from: "drafter" (an accepted drafter draft), "lookup" (an
+                 accepted prompt-lookup copy) or "target" (the target's own token, one per cycle).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+SOURCES = ("drafter", "lookup", "target")
 
 
 def tokens_per_cycle(committed: Sequence[int]) -> float:
@@ -40,6 +45,7 @@ class GenerationResult:
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per new token: one of SOURCES
     lookup_cycles: int = 0  # cycles whose drafts were copied by prompt lookup
     draft_skipped: int = 0  # cycles run as a plain decode step because drafting did not pay (cost policy)
     draft_s: float = 0.0

@@ -77,6 +77,7 @@ def generate_speculative(
     verify: VerifyPolicy | None = None,
     lookup: PromptLookup | None = None,
     on_cycle: Callable[[Proposal, int, int], None] | None = None,
+    marks: bool = False,
 ) -> GenerationResult:
     """Speculative decoding; output equals `generate_autoregressive` (greedy: token for token).
 
@@ -84,6 +85,7 @@ def generate_speculative(
     takes the lookup continuation when its suffix match has at least lookup.min_match tokens; neither:
     plain decoding. verify: how many of the proposed drafts the target checks each cycle (default: all
     of them). on_cycle(proposal, verified, accepted) sees every cycle with a proposal (calibration).
+    marks: on_tokens(tokens, sources) with each token's source ("drafter", "lookup", "target").
     """
     if drafter is None and lookup is None:
         raise DominoError("speculative decoding needs a drafter, prompt lookup, or both")
@@ -104,6 +106,7 @@ def generate_speculative(
         lookup,
         on_cycle,
         layers,
+        marks,
     )
 
 
@@ -120,6 +123,7 @@ def decode(
     lookup: PromptLookup | None = None,
     on_cycle: Callable[[Proposal, int, int], None] | None = None,
     layers: Sequence[int] | None = None,
+    marks: bool = False,
 ) -> GenerationResult:
     """The batch-1 loop: prefill, then step([row]) until the row is done, timed."""
     dev = target.device
@@ -139,7 +143,7 @@ def decode(
     synchronize(dev)
     res.prefill_s = time.perf_counter() - t0
     if on_tokens:
-        on_tokens(new)
+        on_tokens(new, res.sources[-len(new) :]) if marks else on_tokens(new)
     while not row.done:
         out = step([row], proposer, policy, side, target.max_positions, layers, timed=True)
         if out.errors[0] is not None:
@@ -149,8 +153,9 @@ def decode(
         p, k, n = out.plan.proposals[0], out.plan.verify[0], out.accepted[0]
         if on_cycle and p is not None:
             on_cycle(p, k, n)
-        if on_tokens:
-            on_tokens(out.new[0])
+        new = out.new[0]
+        if on_tokens and new:
+            on_tokens(new, res.sources[-len(new) :]) if marks else on_tokens(new)
     synchronize(dev)
     res.total_s = time.perf_counter() - t0
     return res

@@ -72,6 +72,7 @@ class SeqState:
     slot: int = 0  # its row in the target (and drafter) cache
     prefilled: int = 0  # prompt tokens already in the target cache
     draft_cache: object = None  # this row's drafter cache (drafter / hybrid)
+    speculative: bool = True  # False: this row proposes nothing (plain decoding in any batch)
     done: bool = False
     extra: dict = field(default_factory=dict)  # a proposer's own per-row data
 
@@ -98,6 +99,8 @@ class SeqState:
 
     def room(self, block_size: int, limit: int | None) -> int:
         """Drafts this step may propose: the verify block must stay inside the context `limit`."""
+        if not self.speculative:
+            return 0
         return block_size if limit is None else max(0, min(block_size, limit - self.committed_len))
 
 
@@ -155,6 +158,7 @@ def commit_first(seq: SeqState, logits_row: torch.Tensor, proposer) -> list[int]
     """After the prompt: draw and commit the first token (logits_row [V]); the proposer observes it."""
     tok = first_token(logits_row, seq.sampling, seq.gen)
     seq.res.tokens.append(tok)
+    seq.res.sources.append("target")
     seq.done = tok in seq.eos or seq.budget <= 1
     proposer.observe(seq, None, 0, 0, None)  # the first token is committed (prompt lookup indexes it)
     return [tok]
@@ -272,6 +276,8 @@ def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int, c
         res.verified.append(k)
         res.committed.append(len(new))
     res.tokens.extend(new)
+    res.sources.extend(([proposal.source] * n if proposal is not None else []) + ["target"])
+    del res.sources[len(res.tokens) :]  # the cut at EOS / budget
     return new
 
 

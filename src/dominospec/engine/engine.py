@@ -135,6 +135,7 @@ class Engine:
             )
         eos = set(self.target.eos_ids if req.eos_ids is None else req.eos_ids)
         seq = SeqState(prompt, int(req.max_new_tokens), req.sampling, make_generator(req.seed, self.target.device), eos)
+        seq.speculative = req.speculative
         with self._lock:
             if self._closed:
                 raise DominoError("the engine is shut down and takes no new requests")
@@ -158,6 +159,8 @@ class Engine:
                 "tau": committed / cycles if cycles else None,
                 "accept_by_position": [a / cycles for a in self._accept_by_position] if cycles else [],
                 "verified_per_cycle": self._verified_total / cycles if cycles else None,
+                "cycles": cycles,  # running totals, for rates over a window
+                "drafts_verified": self._verified_total,
                 "policy": self.policy_name,
                 "slot_bytes": self.slot_bytes,
             }
@@ -296,9 +299,9 @@ class Engine:
             if err is not None:  # this row's sampling failed: it ends, the batch goes on
                 self._finish(r, "error", f"sampling failed: {type(err).__name__}: {err}")
                 continue
-            if self.proposer.counts_cycles:
+            if self.proposer.counts_cycles and r.seq.speculative:  # a plain request's steps are not speculation
                 self._record_cycle(k, n, len(new))
-            self._emit(r, new)
+            self._emit(r, new, k)
         return True
 
     def _record_cycle(self, k: int, n: int, committed: int) -> None:
@@ -310,14 +313,17 @@ class Engine:
                 self._accept_by_position[j] += 1
 
     # ----- leaving -----
-    def _emit(self, row: _Row, new: list[int]) -> None:
+    def _emit(self, row: _Row, new: list[int], verified: int = 0) -> None:
         if row.first is None:
             row.first = time.perf_counter()
         with self._lock:
             self._stats["tokens_out"] += len(new)
         if row.req.on_tokens is not None and new:
             try:
-                row.req.on_tokens(list(new))
+                if row.req.marks:
+                    row.req.on_tokens(list(new), row.seq.res.sources[-len(new) :], verified)
+                else:
+                    row.req.on_tokens(list(new))
             except Exception as exc:  # the caller's callback failed: end its request, not the batch
                 self._finish(row, "error", f"on_tokens raised {type(exc).__name__}: {exc}")
                 return
@@ -344,6 +350,7 @@ class Engine:
             accepted=list(res.accepted) if spec else [],
             verified=list(res.verified) if spec else [],
             committed=list(res.committed) if spec else [],
+            sources=list(res.sources),
             queued_s=(row.admitted or now) - row.submitted,
             ttft_s=None if row.first is None else row.first - row.submitted,
             total_s=now - row.submitted,

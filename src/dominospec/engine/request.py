@@ -22,7 +22,11 @@ class EngineRequest:
     sampling: SamplingConfig = SamplingConfig()
     seed: int | None = None  # None: drawn from torch's global generator (decode/step.py make_generator)
     eos_ids: list[int] | None = None  # None: the target's own EOS ids
-    on_tokens: Callable[[list[int]], None] | None = None  # engine thread; committed tokens in order
+    on_tokens: Callable[..., None] | None = None  # engine thread; committed tokens in order
+    # on_tokens(tokens, sources, verified): each token's source (decode.result.SOURCES) and the drafts the
+    # target checked in the cycle that committed them (0 for the prompt's first token); one call per cycle
+    marks: bool = False
+    speculative: bool = True  # False: this request's rows propose nothing (plain decoding in any engine)
     on_finish: Callable[[RequestResult], None] | None = None  # engine thread; once
 
 
@@ -37,6 +41,7 @@ class RequestResult:
     accepted: list[int] = field(default_factory=list)  # per cycle: drafts accepted
     verified: list[int] = field(default_factory=list)  # per cycle: drafts verified
     committed: list[int] = field(default_factory=list)  # per cycle: tokens committed (cut at EOS / budget)
+    sources: list[str] = field(default_factory=list)  # per token: "drafter" | "lookup" | "target"
     queued_s: float = 0.0  # submit -> admitted to a slot
     ttft_s: float | None = None  # submit -> first token
     total_s: float = 0.0  # submit -> finish

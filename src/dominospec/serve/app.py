@@ -8,7 +8,9 @@ finishes, hits a stop string, runs past the time limit, or its client goes away;
 the slot at its next step.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
-GET /metrics. Every error has OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+GET /metrics, and the playground: GET / and its files under /playground/ (static, no data: they need
+no API key, while every call the page makes does). Every error has OpenAI's body:
+{"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import importlib.resources
 import json
 import time
 import uuid
@@ -34,12 +37,23 @@ from ..errors import DominoError
 from ..log import log
 from ..sampling import SamplingConfig
 from ..targets.context import MIN_ANSWER_TOKENS
+from .marks import marked_pieces, spec_metrics
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from .text import TextStream
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
-ROUTES = (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics")
+ROUTES = (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics", "/")
+PLAYGROUND = importlib.resources.files(__package__) / "playground"
+# the playground's files, by name: what the page loads, all from this server
+PLAYGROUND_FILES = {"index.html": "text/html", "playground.js": "text/javascript", "playground.css": "text/css"}
+# the page may load and call nothing but this server
+PLAYGROUND_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -124,6 +138,16 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         check_model(model_id, config.model_name)
         return model_card()
 
+    @app.get("/")
+    async def playground():
+        return playground_file("index.html")
+
+    @app.get("/playground/{name}")
+    async def playground_asset(name: str):
+        if name not in PLAYGROUND_FILES:
+            raise APIError(404, f"the playground has no file {name!r}", type="not_found_error")
+        return playground_file(name)
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -191,6 +215,8 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
             sampling=sampling,
             seed=req.seed,
             eos_ids=[] if req.ignore_eos else None,
+            marks=True,
+            speculative=req.speculative,
         )
         gen = Generation.submit(engine, ereq, gate, config, asyncio.get_running_loop())
         metrics.prompt_tokens.inc(len(prompt_ids))
@@ -199,16 +225,27 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         shape = ResponseShape(kind, rid, int(time.time()), config.model_name)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = stream_events(gen, text, shape, len(prompt_ids), include_usage, metrics, arrived)
+            body = stream_events(gen, text, shape, len(prompt_ids), include_usage, metrics, arrived, req.spec_metrics)
             return EventStream(body, gen)
         parts = []
         async for delta in gen.text(text, metrics, arrived, gone=request.is_disconnected):
             parts.append(delta)
         if gen.outcome == "disconnected":
             return Response(status_code=499)  # nobody is listening; the status is for the logs and metrics
-        return JSONResponse(shape.whole("".join(parts), gen.outcome, usage(len(prompt_ids), text.tokens)))
+        answer = "".join(parts)
+        counts = usage(len(prompt_ids), text.tokens)
+        if not req.spec_metrics:
+            return JSONResponse(shape.whole(answer, gen.outcome, counts))
+        marks = marked_pieces(text.pieces(0, len(answer)), gen.sources)
+        counts["spec_metrics"] = gen.spec_metrics(text.tokens)
+        return JSONResponse(shape.whole(answer, gen.outcome, counts, marks))
 
     return app
+
+
+def playground_file(name: str) -> Response:
+    body = (PLAYGROUND / name).read_bytes()
+    return Response(body, media_type=f"{PLAYGROUND_FILES[name]}; charset=utf-8", headers=PLAYGROUND_HEADERS)
 
 
 def request_context(engine, target) -> int | None:
@@ -305,11 +342,13 @@ class Generation:
         self.outcome: str | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.sources: list[str] = []  # per token received: where it came from
+        self.verified: list[int] = []  # per cycle received: drafts the target checked
 
     @classmethod
     def submit(cls, engine, ereq: EngineRequest, gate: Gate, config: ServeConfig, loop) -> Generation:
         gen = cls(loop, gate)
-        ereq.on_tokens = gen._post
+        ereq.on_tokens = lambda tokens, sources, verified: gen._post((tokens, sources, verified))
         ereq.on_finish = gen._post
         try:
             gen.handle = engine.submit(ereq)
@@ -391,12 +430,15 @@ class Generation:
                         yield tail
                     self.outcome = item.finish_reason
                     return
+                tokens, sources, verified = item
+                self.sources.extend(sources)
+                self.verified.append(verified)
                 now = time.monotonic()
-                if self.first_token_at is None and item:
+                if self.first_token_at is None and tokens:
                     self.first_token_at = now
                     metrics.ttft.observe(now - arrived)
                 self.last_token_at = now
-                delta = "".join(stream.add(t) for t in item)
+                delta = "".join(stream.add(t) for t in tokens)
                 if delta:
                     yield delta
                 if stream.stopped:
@@ -412,6 +454,10 @@ class Generation:
             if self.first_token_at is not None and stream.tokens > 1:
                 metrics.tpot.observe((self.last_token_at - self.first_token_at) / (stream.tokens - 1))
             metrics.latency.observe(time.monotonic() - arrived)
+
+    def spec_metrics(self, answer_tokens: int) -> dict:
+        """usage.spec_metrics of the answer's first answer_tokens tokens."""
+        return spec_metrics(self.sources[:answer_tokens], self.verified)
 
     def _check_end(self, result: RequestResult) -> None:
         if self.timed_out:
@@ -437,7 +483,8 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, marks: list | None = None) -> dict:
+        """marks: the spec_tokens extension ([text, source] pieces), only when the request asked for it."""
         if self.kind == "chat":
             choice = {
                 "index": 0,
@@ -445,21 +492,36 @@ class ResponseShape:
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
-            return self._envelope("chat.completion", [choice], usage=usage)
+            return self._envelope("chat.completion", [_marked(choice, marks)], usage=usage)
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage)
+        return self._envelope("text_completion", [_marked(choice, marks)], usage=usage)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        marks: list | None = None,
+        progress: dict | None = None,
+    ) -> dict:
+        """marks, progress: the spec_metrics extension's spec_tokens and spec_progress, when asked for."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = _marked(choice, marks)
+        if progress is not None:
+            choice["spec_progress"] = progress
+        return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [choice])
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return self._envelope(obj, [], usage=usage)
+
+
+def _marked(choice: dict, marks: list | None) -> dict:
+    return choice if marks is None else {**choice, "spec_tokens": marks}
 
 
 def sse(payload: dict | str) -> str:
@@ -474,8 +536,11 @@ async def stream_events(
     include_usage: bool,
     metrics: ServerMetrics,
     arrived: float,
+    with_marks: bool = False,
 ) -> AsyncIterator[str]:
     """Server-sent events: a role chunk (chat), text chunks, the finish chunk, usage if asked, [DONE].
+    with_marks (the spec_metrics extension): each text chunk carries its spec_tokens, and the usage
+    chunk, always sent then, usage.spec_metrics.
 
     Starlette cancels this generator when the client disconnects; leaving `gen.text` then cancels
     the engine request. An error after the first byte is sent as an error event, as OpenAI does.
@@ -484,11 +549,20 @@ async def stream_events(
     try:
         if shape.kind == "chat":
             yield sse(shape.chunk(None, role=True))
+        sent = 0  # characters of the answer already sent
         async for delta in pieces:
-            yield sse(shape.chunk(delta))
+            marks = progress = None
+            if with_marks:
+                marks = marked_pieces(text.pieces(sent, sent + len(delta)), gen.sources)
+                progress = {"cycles": len(gen.verified), "drafted": sum(gen.verified)}
+            sent += len(delta)
+            yield sse(shape.chunk(delta, marks=marks, progress=progress))
         yield sse(shape.chunk(None, finish_reason=gen.outcome))
-        if include_usage:
-            yield sse(shape.usage_chunk(usage(prompt_tokens, text.tokens)))
+        if include_usage or with_marks:
+            counts = usage(prompt_tokens, text.tokens)
+            if with_marks:
+                counts["spec_metrics"] = gen.spec_metrics(text.tokens)
+            yield sse(shape.usage_chunk(counts))
     except APIError as exc:
         yield sse(exc.body())
     finally:
@@ -511,6 +585,11 @@ class EventStream(StreamingResponse):
         finally:
             self.generation.cancel()
             await self.body_iterator.aclose()
+
+
+def _public(path: str) -> bool:
+    """Routes open without the API key: the health check and the playground's static files."""
+    return path in ("/health", "/") or path.startswith("/playground/")
 
 
 class Gatekeeper:
@@ -542,7 +621,7 @@ class Gatekeeper:
         refusal = self._foreign(headers)
         if refusal is not None:
             return await self._refuse(scope, receive, send, 403, refusal, "forbidden_origin")
-        if self.config.api_key is not None and scope["path"] != "/health" and not self._authorized(scope):
+        if self.config.api_key is not None and not _public(scope["path"]) and not self._authorized(scope):
             return await self._refuse(scope, receive, send, 401, "invalid or missing API key", "invalid_api_key")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)

@@ -62,6 +62,8 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension: generate max_tokens even past EOS (load tests)
+    spec_metrics: bool = False  # an extension: usage.spec_metrics and per-token sources (serve/marks.py)
+    speculative: bool = True  # an extension: false decodes this request plainly (no drafts), in any batch
     # defined by OpenAI, implemented here only at their neutral value (checked by refuse_unsupported)
     n: int | None = 1
     logprobs: Any = None

@@ -28,6 +28,7 @@ class TextStream:
         self._start = 0  # first token of the decode window
         self._read = 0  # tokens whose text is already in self.text
         self.stopped = False  # a stop string was found; self.text ends just before it
+        self.owners: list[int] = []  # per character of self.text: the index of the token that wrote it
 
     @property
     def tokens(self) -> int:
@@ -43,7 +44,7 @@ class TextStream:
         window = self.decode(self.ids[self._start :])
         if window.endswith(REPLACEMENT) or len(window) <= len(before):
             return ""  # an unfinished character (or a token without text): wait for the next token
-        self.text += window[len(before) :]
+        self._append(window[len(before) :])
         self._start = max(0, len(self.ids) - CONTEXT_TOKENS)
         self._read = len(self.ids)
         return self._release(final=False)
@@ -52,7 +53,7 @@ class TextStream:
         """The rest of the text at the end of the answer (a dangling partial character included)."""
         if not self.stopped and self._read < len(self.ids):
             before = self.decode(self.ids[self._start : self._read])
-            self.text += self.decode(self.ids[self._start :])[len(before) :]
+            self._append(self.decode(self.ids[self._start :])[len(before) :])
             self._read = len(self.ids)
         return self._release(final=True)
 
@@ -62,6 +63,7 @@ class TextStream:
             hits = [i for i in (m.feed(new, self._fed) for m in self._matchers) if i is not None]
             if hits:
                 self.text = self.text[: min(hits)]
+                del self.owners[len(self.text) :]
                 self.stopped = True
         end = len(self.text)
         if not (final or self.stopped):
@@ -69,6 +71,20 @@ class TextStream:
         out = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return out
+
+    def _append(self, piece: str) -> None:
+        self.text += piece
+        self.owners.extend([len(self.ids) - 1] * len(piece))
+
+    def pieces(self, start: int, end: int) -> list[tuple[str, int]]:
+        """text[start:end] split where the token that wrote it changes: [(text, token index)]."""
+        out = []
+        for i in range(start, min(end, len(self.text))):
+            if out and out[-1][1] == self.owners[i]:
+                out[-1][0] += self.text[i]
+            else:
+                out.append([self.text[i], self.owners[i]])
+        return [(text, owner) for text, owner in out]
 
 
 class StopMatcher:
