@@ -228,7 +228,7 @@ def add_verify_args(p: argparse.ArgumentParser, several: bool = False, modes=DRA
         p.add_argument(
             "--verify",
             default=",".join(modes),
-            help="comma list of verify-length policies to run each drafter (and hybrid) with: "
+            help="comma list of verify-length policies to run each drafter (and hybrid) with. "
             + verify_mode_help(modes)
             + "; a mode a drafter cannot run is skipped with a note (default %(default)s)",
         )
@@ -237,7 +237,7 @@ def add_verify_args(p: argparse.ArgumentParser, several: bool = False, modes=DRA
             "--verify",
             default=None,
             choices=modes,
-            help="how many drafts to verify per cycle: " + verify_mode_help(modes) + f" (default {DEFAULT_VERIFY})",
+            help="how many drafts to verify per cycle. " + verify_mode_help(modes) + f" (default {DEFAULT_VERIFY})",
         )
     p.add_argument(
         "--confidence-threshold",

@@ -9,6 +9,8 @@ import os
 import socket
 from pathlib import Path
 
+import torch
+
 from ..decode.schedule import DEFAULT_THRESHOLD, DEFAULT_VERIFY, VERIFY_MODES, check_threshold, verify_mode_help
 from ..errors import DominoError
 from ..log import log
@@ -81,6 +83,9 @@ def cmd_serve(args) -> int:
         f"serve: {target.name} ({mode}) on http://{args.host}:{args.port}/v1, {args.max_batch} slots of "
         f"{engine.max_len} positions, queue {args.max_queue}"
     )
+    # a request without a seed draws one from torch's global generator (decode/step.py make_generator):
+    # seeded from the OS here, so each server process answers such requests with fresh randomness
+    torch.seed()
     make_server(engine, target, config, host=args.host, port=args.port, log_level=args.log_level).run()
     log("serve: stopped")
     return 0
@@ -176,7 +181,7 @@ def add_parser(sub) -> None:
         "--verify",
         default=None,
         choices=tuple(VERIFY_MODES),
-        help="verify-length policy over the batch: "
+        help="the verify-length policy over the batch. "
         + verify_mode_help()
         + f" (default: {DEFAULT_VERIFY} with a drafter or lookup, plain without)",
     )

@@ -42,12 +42,12 @@ from .rollout import Proposal
 
 # name -> what it does: the one list of verify modes, with the help text every surface prints
 VERIFY_MODES = {
-    "plain": "no drafting: plain decoding, one token per target step",
+    "plain": "no drafting, one token per target step",
     "fixed": "verify every draft",
-    "static": "stop before the first slot whose calibrated confidence is under --confidence-threshold "
-    "(needs a drafter with a confidence head, or prompt lookup)",
-    "cost": "draft and verify only where expected tokens/s rises on this device (DSpark's scheduler; the "
-    "device profile is measured on first use); greedy requests search the whole curve",
+    "static": "stop before the first slot whose calibrated confidence is under --confidence-threshold, for a "
+    "drafter with a confidence head or prompt lookup",
+    "cost": "draft and verify only while the expected tokens/s on this device rises, DSpark's scheduler, with "
+    "the device profile measured on first use; greedy requests search the whole curve",
 }
 DRAFT_MODES = tuple(m for m in VERIFY_MODES if m != "plain")  # the modes that run a proposer
 DEFAULT_VERIFY = "cost"
@@ -56,8 +56,8 @@ ENGINE_PROFILE_ROWS = (1, 2, 4, 8)  # the batched cost table measured on first u
 
 
 def verify_mode_help(modes: Sequence[str] = tuple(VERIFY_MODES)) -> str:
-    """'name (what it does), ...' for --help texts."""
-    return "; ".join(f"{m} ({VERIFY_MODES[m]})" for m in modes)
+    """'name: what it does. ...' for --help texts."""
+    return " ".join(f"{m}: {VERIFY_MODES[m]}." for m in modes)
 
 
 def check_verify_mode(mode: str, flag: str = "--verify", modes: Sequence[str] = tuple(VERIFY_MODES)) -> str:
