@@ -579,3 +579,53 @@ def test_a_learned_mask_on_a_tied_target_needs_allow_approx(tmp_path):
         export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=5)
     report = export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=5, allow_approx=True)
     assert report["status"] == "approximate" and any("ties its embeddings" in a for a in report["approximations"])
+
+
+# ----- Low: the smaller refusals and notes -----
+
+
+def test_profile_clips_its_default_contexts_to_the_targets_context(char_model, tmp_path, capsys, monkeypatch):
+    """Protects: `dominospec profile` with its default contexts runs on a short-context target, saying so."""
+    import dominospec.cli.profile as profile_cli
+
+    seen = {}
+
+    def fake_profile(target, drafter, contexts, max_k, repeats, seed, batch_rows=()):
+        seen["contexts"] = contexts
+        raise SystemExit(0)  # the measurement itself is not under test
+
+    monkeypatch.setattr(profile_cli, "profile_device", fake_profile)
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "profile", "--target", char_model, "--no-draft", "--max-k", "8")
+    err = capsys.readouterr().err
+    assert seen["contexts"] == [56] and "default contexts 256,1024 clipped to 56" in err, err
+
+
+def test_prepare_data_layer_ids_without_a_feature_cache_is_refused(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi"])
+    argv = ["prepare-data", "--target", NOWHERE, "--prompts", prompts, "--out", tmp_path / "d", "--layer-ids", "1,2"]
+    rc, err = run_cli(capsys, *argv)
+    assert rc == 2 and "--layer-ids 1,2 chooses the layers kept in --feature-cache, and there is none" in err, err
+
+
+def test_train_samples_without_off_policy_samples_blames_train_samples():
+    """Protects: --train-samples N,M on a set without off-policy samples names --train-samples, not --train-labels."""
+    from dominospec import DominoError
+    from dominospec.train.run import training_subset
+
+    samples = [{"labels": "on-policy", "i": i} for i in range(5)]
+    with pytest.raises(DominoError, match=r"--train-samples 3,1000000 \(its off-policy count\): d holds no off-policy"):
+        training_subset(samples, "all", (3, 1_000_000), "d", 0)
+
+
+def test_block_size_auto_says_which_sizes_were_never_measured(monkeypatch, tmp_path):
+    """Protects: when the profile covers only some block sizes, the note says the rest were not considered."""
+    import dominospec.decode.cost as cost
+
+    drafter = type("D", (), {"config": type("C", (), {"block_size": 6})()})()
+    (tmp_path / "acceptance.json").write_text(json.dumps({"conditional": [0.0] * 6}))
+    profile = {"verify": {"256": {"k": [1, 2, 3], "seconds": [0.01, 0.0101, 0.0102]}}}
+    monkeypatch.setattr(cost, "sidecar_path", lambda d, name: tmp_path / name)
+    monkeypatch.setattr(cost, "ensure_profile", lambda *a, **k: profile)
+    b, note = cost.auto_block_size(None, drafter)
+    assert b == 0 and "no measured block size beats it" in note and "block sizes 3..6 were not considered" in note
