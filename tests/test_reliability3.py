@@ -794,3 +794,17 @@ def test_fuzzed_requests_never_get_a_500_and_never_break_a_bystander(chat_target
     )
     assert len(sent) >= 50 and ok >= 10  # enough of both kinds to mean something
     assert outcomes and all(o == (200, True, "length") for o in outcomes), outcomes
+
+
+def test_a_request_head_that_never_finishes_is_cut_off(local_server, monkeypatch):
+    """Protects: a client that sends part of its headers and stalls is disconnected after the head timeout."""
+    import socket
+
+    import dominospec.serve.server as server_mod
+
+    monkeypatch.setattr(server_mod, "HEAD_TIMEOUT_S", 0.5)  # read when a connection is made
+    port = int(local_server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
+        assert s.recv(4096) == b""  # closed by the server, well before the socket's own 10 s
+    assert httpx.get(f"{local_server}/health").status_code == 200
