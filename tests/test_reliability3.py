@@ -808,3 +808,12 @@ def test_a_request_head_that_never_finishes_is_cut_off(local_server, monkeypatch
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
         assert s.recv(4096) == b""  # closed by the server, well before the socket's own 10 s
     assert httpx.get(f"{local_server}/health").status_code == 200
+
+
+def test_an_engine_whose_slots_cannot_hold_a_cycle_is_refused(native_target, drafter):
+    """Protects: max_len below the drafter's block size (the CLI cannot see it before loading) is named."""
+    from dominospec import DominoError
+    from dominospec.engine import Engine
+
+    with pytest.raises(DominoError, match="engine max_len 5 leaves no room for a request"):
+        Engine(native_target, drafter, policy="fixed", max_len=5)
