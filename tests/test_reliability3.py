@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import run_cli, save_char_model, tiny_chat_target, tiny_drafter, tiny_target, write_prompts
+from conftest import run_cli, save_char_model, serving, tiny_chat_target, tiny_drafter, tiny_target, write_prompts
 
 from dominospec import SamplingConfig, cli
 from dominospec.engine import EngineRequest
@@ -285,22 +285,11 @@ def test_the_served_model_name_is_the_directorys_base_name():
 def live_server(target, drafter=None, policy: str = "plain", **config_kw):
     """A server over a batched engine in a thread on a free loopback port; yields its base URL."""
     from dominospec.engine import Engine
-    from dominospec.serve import ServeConfig, free_port, make_server
+    from dominospec.serve import ServeConfig
 
     engine = Engine(target, drafter, policy=policy, max_batch=4, max_queue=32)
-    config = ServeConfig(model_name=target.name, request_timeout=60, **config_kw)
-    server = make_server(engine, target, config, port=free_port())
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    with serving(engine, target, ServeConfig(model_name=target.name, request_timeout=60, **config_kw)) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
