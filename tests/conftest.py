@@ -543,11 +543,12 @@ def save_char_model(d: Path, context: int = 64, seed: int = 0) -> Path:
 
 
 @contextlib.contextmanager
-def serve_in_thread(engine, target, api_key: str | None = None):
+def serve_in_thread(engine, target, api_key: str | None = None, request_timeout: float = 30.0):
     """`dominospec serve`'s server over `engine`, in a thread on a free loopback port; yields its base URL."""
     from dominospec.serve import ServeConfig, free_port, make_server
 
-    server = make_server(engine, target, ServeConfig(model_name=target.name, api_key=api_key), port=free_port())
+    config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
+    server = make_server(engine, target, config, port=free_port())
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
