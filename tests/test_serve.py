@@ -232,7 +232,7 @@ def test_models_health_and_metrics(server, target):
     assert [m.id for m in client(base).models.list()] == [target.name]
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     client(base).chat.completions.create(model=target.name, messages=MESSAGES, max_tokens=4)
-    httpx.post(f"{base}/v1/chat/completions", content=b"{")
+    httpx.post(f"{base}/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"})
     text = httpx.get(f"{base}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     statuses = {s.labels["status"] for s in families["dominospec_http_requests"].samples if s.name.endswith("_total")}

@@ -28,6 +28,9 @@ ENGINE_POLICIES = ("plain", "fixed", "static", "cost", "lookup", "hybrid")
 WARMUP_TOKENS = 8
 
 
+MAX_CONCURRENCY = 1024  # closed-loop clients of one level
+
+
 def parse_concurrency(spec: str) -> list[int]:
     try:
         levels = [int(c) for c in spec.split(",") if c.strip()]
@@ -35,6 +38,10 @@ def parse_concurrency(spec: str) -> list[int]:
         raise DominoError(f"--concurrency {spec!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
     if not levels or min(levels) < 1:
         raise DominoError(f"--concurrency {spec!r}: concurrency levels must be >= 1")
+    if max(levels) > MAX_CONCURRENCY:
+        raise DominoError(
+            f"--concurrency {spec!r}: at most {MAX_CONCURRENCY} clients (each is a thread and an engine slot)"
+        )
     return levels
 
 

@@ -44,8 +44,10 @@ def parse_choices(spec: str, flag: str, allowed: Sequence[str]) -> list[str]:
     """A comma list of names from `allowed`, deduplicated in order; anything else names the flag."""
     names = [g.strip() for g in spec.split(",") if g.strip()]
     bad = [g for g in names if g not in allowed]
-    if bad or not names:
-        raise DominoError(f"{flag} {spec!r}: unknown {bad}; choose from {','.join(allowed)}")
+    if not names:
+        raise DominoError(f"{flag} {spec!r} names nothing; choose one or more of {','.join(allowed)}")
+    if bad:
+        raise DominoError(f"{flag} {spec!r}: unknown {', '.join(bad)}; choose from {','.join(allowed)}")
     return list(dict.fromkeys(names))
 
 

@@ -57,7 +57,7 @@ def cmd_bench(args) -> int:
         "repeats",
         *(["block_size"] if args.block_size != "auto" else []),
     )
-    levels = parse_concurrency(args.concurrency) if args.concurrency else None
+    levels = parse_concurrency(args.concurrency) if args.concurrency is not None else None
     policies = parse_choices(args.policies, "--policies", ENGINE_POLICIES) if levels else None
     if levels and not args.prompts:
         raise DominoError("--concurrency needs --prompts FILE.jsonl")

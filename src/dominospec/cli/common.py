@@ -14,7 +14,7 @@ from ..drafter import HEADS, Drafter, DrafterConfig, shipped_drafter_dir
 from ..errors import DominoError, flag
 from ..export import ENGINES, arch_for_engine
 from ..log import log, log_once
-from ..sampling import SamplingConfig, check_sampling
+from ..sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingConfig, check_sampling
 from ..targets import DEFAULT_TARGET, Target, parse_layer_ids
 from ..targets.hf import BACKENDS
 
@@ -81,7 +81,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_from_args(args) -> SamplingConfig:
     """--temperature/--top-k/--top-p, checked with the flags' names in the message."""
     check_sampling(args.temperature, args.top_k, args.top_p, prefix="--")
-    return SamplingConfig(args.temperature, args.top_k, args.top_p)
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if sampling.greedy and args.temperature > 0:
+        log_once(
+            f"--temperature {args.temperature} --top-p {args.top_p}: below {MIN_TEMPERATURE} (temperature) or "
+            f"{MIN_TOP_P} (top-p) sampling is greedy; decoding greedily"
+        )
+    return sampling
 
 
 def add_arch_args(p: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ from ..decode.schedule import make_batch_policy
 from ..decode.step import SeqState, accept, block_tokens, commit, pad_blocks, rollback_length, start
 from ..devices import release_openmp_workers
 from ..errors import DominoError
+from .memory import check_slots_fit
 from .request import EngineFull, EngineRequest, RequestHandle, RequestResult
 
 POLICIES = ("plain", "fixed", "static", "cost")
@@ -82,6 +83,7 @@ class Engine:
         if limit is not None and self.max_len > limit:
             raise DominoError(f"engine max_len {self.max_len} exceeds the target's context of {limit} positions")
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        check_slots_fit(target, self.drafter, max_batch, self.max_len)  # before allocating: say what fits
         self.cache = target.new_row_cache(max_batch, self.max_len)  # DominoError off the native backend
         self.use_lookup = lookup and policy != "plain"
         self.proposer = None
@@ -303,7 +305,12 @@ class Engine:
             budget -= n
             did = True
             if last:
-                self._emit(row, start(row.seq, out.logits[0, -1]))
+                try:
+                    first = start(row.seq, out.logits[0, -1])
+                except Exception as exc:  # this row's sampling failed: it ends, the batch goes on
+                    self._finish(row, "error", f"sampling failed: {type(exc).__name__}: {exc}")
+                    continue
+                self._emit(row, first)
         return did
 
     def _decode(self) -> bool:
@@ -339,7 +346,12 @@ class Engine:
         for r, p, k in zip(rows, proposals, ks):
             seq, i = r.seq, r.slot - lo
             before = seq.committed_len
-            n, nxt = accept(seq, p, k, out.logits[i, : k + 1])
+            try:
+                n, nxt = accept(seq, p, k, out.logits[i, : k + 1])
+            except Exception as exc:  # this row's sampling failed: it ends, the batch goes on
+                self.target.set_row_length(self.cache, r.slot, rollback_length(before, 0))
+                self._finish(r, "error", f"sampling failed: {type(exc).__name__}: {exc}")
+                continue
             self.target.set_row_length(self.cache, r.slot, rollback_length(before, n))
             new = commit(seq, p, k, n, nxt)
             if self.proposer is not None:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..decode import PromptLookup, generate_autoregressive, generate_speculative, make_policy
+from ..decode.schedule import VERIFY_MODES
 from ..drafter import Drafter
 from ..drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from ..errors import DominoError
@@ -39,6 +40,7 @@ from ..io import ensure_writable_dir, write_atomic
 from ..log import log
 from ..sampling import SamplingConfig
 from ..targets import Target
+from ..targets.hf import BACKENDS
 
 LOOKUP = "lookup"  # drafter="lookup": prompt lookup alone, no trained drafter
 WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")  # what SamplingConfig expresses
@@ -110,6 +112,18 @@ def _resolve_drafter(model, target: Target, drafter) -> tuple[Drafter | None, Pr
 
 
 # ----- the generate() settings, mapped or refused -----
+
+
+def _check_own_arguments(verify, backend, block_size, seed) -> None:
+    """domino_generate's own keyword arguments, named as the caller wrote them (not as CLI flags)."""
+    if verify not in VERIFY_MODES:
+        raise UnsupportedSetting(f"verify={verify!r}: choose from {', '.join(map(repr, VERIFY_MODES))}")
+    if backend not in BACKENDS:
+        raise UnsupportedSetting(f"backend={backend!r}: choose from {', '.join(map(repr, BACKENDS))}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+        raise UnsupportedSetting(f"block_size={block_size!r}: a positive integer, or None for the drafter's")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise UnsupportedSetting(f"seed={seed!r}: an integer, or None")
 
 
 def _check_generation_config(gc, model_kwargs: dict) -> None:
@@ -238,6 +252,7 @@ def domino_generate(
 
     gc = generation_config if generation_config is not None else model.generation_config
     streamer = streamer if streamer is not None else _caller_streamer()
+    _check_own_arguments(verify, backend, block_size, seed)
     _check_generation_config(gc, model_kwargs)
     prompt = _prompt_ids(input_ids, model_kwargs.get("attention_mask"))
     sampling = sampling_from(gc, logits_processor)

@@ -10,7 +10,7 @@ playground/  the page at / (index.html, playground.js, playground.css): static, 
 loadtest.py  closed-loop streaming clients against a running server, with a fault round
 """
 
-from .app import Gate, ServeConfig, create_app
+from .app import LOOPBACK_HOSTS, Gate, ServeConfig, create_app
 from .server import DrainingServer, free_port, make_server
 
-__all__ = ["ServeConfig", "Gate", "create_app", "make_server", "DrainingServer", "free_port"]
+__all__ = ["LOOPBACK_HOSTS", "ServeConfig", "Gate", "create_app", "make_server", "DrainingServer", "free_port"]

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import importlib.resources
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -61,6 +64,13 @@ class ServeConfig:
     request_timeout: float = 600.0  # seconds from arrival to the last token, queueing included
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1  # the Retry-After of a 429 (queue full) or 503 (draining)
+    # Host names answered (None: any). A loopback-bound server answers only loopback names, so a web
+    # page that rebinds its own DNS name to 127.0.0.1 cannot read its answers.
+    allowed_hosts: tuple[str, ...] | None = None
+    body_timeout_s: float = 30.0  # a client that sends its body slower than this is cut off (408)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class Gate:
@@ -76,13 +86,21 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
     gate = gate or Gate()
     metrics = ServerMetrics(engine, gate)
     context = request_context(engine, target)
+    token_chars = getattr(target, "max_token_chars", None) if getattr(target, "tokenizer", None) else None
     created = int(time.time())
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="dominospec-tokenize")
+
+    async def tokenize(encode, *args, **kwargs) -> list[int]:
+        """Tokenizing (and templating) a long prompt takes seconds: off the event loop, one at a time."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(tokenizer_thread, functools.partial(encode, *args, **kwargs))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start()
         yield
         await asyncio.to_thread(engine.shutdown, True, config.request_timeout)
+        tokenizer_thread.shutdown(wait=False)
 
     app = FastAPI(title="dominospec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.gate, app.state.metrics, app.state.engine = gate, metrics, engine
@@ -140,10 +158,14 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         req = parse_body(ChatCompletionRequest, await request.body())
         check_model(req.model, config.model_name)
         conversation = req.conversation()
+        chars = sum(len(m["content"]) for m in conversation)
+        check_chars(chars, req.token_budget(), context, token_chars, "messages")
         kwargs = dict(req.chat_template_kwargs or {})
         thinking = kwargs.pop("enable_thinking", False)
         try:
-            prompt_ids = target.encode_chat(conversation, enable_thinking=bool(thinking), template_kwargs=kwargs)
+            prompt_ids = await tokenize(
+                target.encode_chat, conversation, enable_thinking=bool(thinking), template_kwargs=kwargs
+            )
         except DominoError as exc:
             raise APIError(400, str(exc)) from None
         except Exception as exc:  # the template is the model's own Jinja code; its refusals are the caller's
@@ -161,8 +183,9 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
                 raise APIError(400, f"prompt holds {len(prompt)} prompts; this server takes one", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            check_chars(len(prompt), req.token_budget(), context, token_chars, "prompt")
             try:
-                prompt_ids = target.encode_raw(prompt)
+                prompt_ids = await tokenize(target.encode_raw, prompt)
             except DominoError as exc:
                 raise APIError(400, str(exc)) from None
         else:
@@ -231,6 +254,31 @@ def request_context(engine, target) -> int | None:
     if getattr(engine, "max_len", None) is None:
         return target.max_positions
     return int(engine.max_len) - int(getattr(engine, "block_size", 0) or 0) - 1
+
+
+def check_chars(chars: int, asked: int | None, context: int | None, token_chars: int | None, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose character count alone cannot fit the context: no
+    token covers more than `token_chars` characters (targets/context.py)."""
+    if context is None or not token_chars:
+        return
+    if asked is not None and asked >= context:
+        raise APIError(
+            400,
+            f"this server's context is {context} tokens per request, but max_tokens asks for {asked} (and the "
+            "prompt needs at least one): lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    room = context - (asked if asked is not None else MIN_ANSWER_TOKENS)
+    if chars > room * token_chars:
+        raise APIError(
+            400,
+            f"the prompt has {chars} characters; this server's context of {context} tokens per request leaves "
+            f"{room} tokens for it, at most {room * token_chars} characters (no token covers more than "
+            f"{token_chars})",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_model(name: str | None, served: str) -> None:
@@ -570,17 +618,35 @@ class Gatekeeper:
             self.metrics.requests.labels(route, str(status)).inc()
 
     async def _checked(self, scope, receive, send):
+        headers = dict(scope["headers"])
+        refusal = self._foreign(headers)
+        if refusal is not None:
+            return await self._refuse(scope, receive, send, 403, refusal, "forbidden_origin")
         if self.config.api_key is not None and not _public(scope["path"]) and not self._authorized(scope):
             return await self._refuse(scope, receive, send, 401, "invalid or missing API key", "invalid_api_key")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        kind = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if kind != "application/json":
+            return await self._refuse(
+                scope,
+                receive,
+                send,
+                415,
+                f"the body must be JSON sent as Content-Type: application/json (got {kind or 'none'!r})",
+                "unsupported_media_type",
+            )
         limit = self.config.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(scope, receive, send, 413, f"the body exceeds {limit} bytes", "body_too_large")
         chunks, size = [], 0
         while True:  # read it whole here, so a body without Content-Length is bounded too
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
+            except asyncio.TimeoutError:
+                msg = f"the body did not arrive within {self.config.body_timeout_s:g} s"
+                return await self._refuse(scope, receive, send, 408, msg, "body_timeout")
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
@@ -602,14 +668,40 @@ class Gatekeeper:
 
         await self.app(scope, replay, send)
 
+    def _foreign(self, headers: dict) -> str | None:
+        """Why a request from a web page on another site (or a rebound DNS name) is refused; None if it is not.
+
+        Browsers send Origin on cross-site requests; API clients send none. An Origin is accepted when it
+        names the host the request was sent to, or (on a loopback server) a loopback name."""
+        host = _hostname(headers.get(b"host", b"").decode("latin-1"))
+        allowed = self.config.allowed_hosts
+        if allowed is not None and host not in allowed:
+            return f"Host {host!r} is not this server's; a server bound to loopback answers {', '.join(allowed)}"
+        origin = headers.get(b"origin")
+        if origin is None:
+            return None
+        text = origin.decode("latin-1")
+        name = _hostname(urlparse(text).netloc) if "://" in text else None
+        if name == host or (allowed is not None and name in allowed):
+            return None
+        return f"requests from web pages on {text} are refused (Origin is not this server)"
+
     def _authorized(self, scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, key = header.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.config.api_key.encode())
 
     async def _refuse(self, scope, receive, send, status: int, message: str, code: str):
-        kind = "authentication_error" if status == 401 else "invalid_request_error"
+        kind = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         await JSONResponse(error_body(message, kind, code=code), status_code=status, headers=headers)(
             scope, receive, send
         )
+
+
+def _hostname(netloc: str) -> str:
+    """`host[:port]` or `[v6]:port` -> the host name, lower case, without brackets or port."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc[1 : netloc.find("]")] if "]" in netloc else netloc
+    return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc

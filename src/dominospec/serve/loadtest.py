@@ -55,6 +55,7 @@ class LoadTestConfig:
 class RequestRecord:
     ok: bool
     error: str | None = None  # the kind: http_429, http_500, timeout, connection, ...
+    detail: str | None = None  # what the server said (its error message), for the report
     ttft_s: float | None = None
     tpot_s: float | None = None
     tokens: int = 0
@@ -79,6 +80,7 @@ class LoadTestReport:
     faults: dict = field(default_factory=dict)
     # per finished request, in start order: [started s, TTFT ms, latency ms, tokens] (for plots over time)
     timeline: list[list] = field(default_factory=list)
+    first_errors: dict[str, str] = field(default_factory=dict)  # error kind -> the first one's message
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -96,6 +98,8 @@ class LoadTestReport:
             f"  errors          {sum(self.errors.values())} {dict(self.errors) if self.errors else ''}".rstrip(),
             f"  retried 429     {self.retried_429}",
         ]
+        for kind, message in self.first_errors.items():
+            lines.append(f"  first {kind:<10} {message}")
         if rss:
             lines.append(
                 f"  server RSS MB   start {rss[0]:.1f}, max {max(rss):.1f}, end {rss[-1]:.1f} ({len(rss)} samples)"
@@ -202,6 +206,7 @@ class LoadTest:
                 [round(r.started_s, 3), _ms(r.ttft_s), _ms(r.latency_s), r.tokens]
                 for r in sorted(ok, key=lambda r: r.started_s)
             ],
+            first_errors=first_errors(self.records),
         )
 
     async def _model(self) -> str:
@@ -257,13 +262,14 @@ class LoadTest:
                 await asyncio.sleep(_retry_after(exc.response))
                 continue
             except openai.APIStatusError as exc:
-                return RequestRecord(False, f"http_{exc.status_code}", retries=retries)
-            except openai.APITimeoutError:
-                return RequestRecord(False, "timeout", retries=retries)
-            except openai.APIConnectionError:
-                return RequestRecord(False, "connection", retries=retries)
+                return RequestRecord(False, f"http_{exc.status_code}", _said(exc), retries=retries)
+            except openai.APITimeoutError as exc:
+                return RequestRecord(False, "timeout", str(exc), retries=retries)
+            except openai.APIConnectionError as exc:
+                return RequestRecord(False, "connection", str(exc), retries=retries)
             except openai.APIError as exc:  # an error event inside the stream
-                return RequestRecord(False, f"stream_{getattr(exc, 'code', None) or 'error'}", retries=retries)
+                kind = f"stream_{getattr(exc, 'code', None) or 'error'}"
+                return RequestRecord(False, kind, _said(exc), retries=retries)
             tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
             ttft = None if first is None else first - start
             return RequestRecord(
@@ -410,6 +416,25 @@ def plot_loadtest(report: LoadTestReport, path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _said(exc: openai.APIError) -> str:
+    """The server's own error message (OpenAI's body), else the client's."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+    return str(exc)
+
+
+def first_errors(records: list[RequestRecord]) -> dict[str, str]:
+    """The first failure of each kind, with what was said about it: why requests failed, not just how many."""
+    out: dict[str, str] = {}
+    for r in records:
+        if not r.ok and r.error not in out:
+            out[r.error] = r.detail or ""
+    return out
 
 
 def _json(obj) -> bytes:
