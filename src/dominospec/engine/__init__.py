@@ -2,7 +2,7 @@
 
 request.py  EngineRequest, RequestHandle, RequestResult, EngineFull
 engine.py   Engine: admission, chunked prefill, one ragged verify per step, per-request sampling
-memory.py   whether the slot caches fit in free memory, checked before they are allocated
+memory.py   whether the slot caches fit in memory, checked before they are allocated
 """
 
 from .engine import POLICIES, Engine

@@ -78,9 +78,9 @@ class LoadTestReport:
     retried_429: int
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MB)
     faults: dict = field(default_factory=dict)
+    first_errors: dict[str, str] = field(default_factory=dict)  # error kind -> the first one's message
     # per finished request, in start order: [started s, TTFT ms, latency ms, tokens] (for plots over time)
     timeline: list[list] = field(default_factory=list)
-    first_errors: dict[str, str] = field(default_factory=dict)  # error kind -> the first one's message
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -202,11 +202,11 @@ class LoadTest:
             retried_429=sum(r.retries for r in self.records),
             rss_mb=self.rss,
             faults=self.faults,
+            first_errors=first_errors(self.records),
             timeline=[
                 [round(r.started_s, 3), _ms(r.ttft_s), _ms(r.latency_s), r.tokens]
                 for r in sorted(ok, key=lambda r: r.started_s)
             ],
-            first_errors=first_errors(self.records),
         )
 
     async def _model(self) -> str:
@@ -371,6 +371,25 @@ class LoadTest:
         return dict(outcome)
 
 
+def _said(exc: openai.APIError) -> str:
+    """The server's own error message (OpenAI's body), else the client's."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+    return str(exc)
+
+
+def first_errors(records: list[RequestRecord]) -> dict[str, str]:
+    """The first failure of each kind, with what was said about it: why requests failed, not just how many."""
+    out: dict[str, str] = {}
+    for r in records:
+        if not r.ok and r.error not in out:
+            out[r.error] = r.detail or ""
+    return out
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 1)
 
@@ -416,25 +435,6 @@ def plot_loadtest(report: LoadTestReport, path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
-
-
-def _said(exc: openai.APIError) -> str:
-    """The server's own error message (OpenAI's body), else the client's."""
-    body = getattr(exc, "body", None)
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and inner.get("message"):
-            return str(inner["message"])
-    return str(exc)
-
-
-def first_errors(records: list[RequestRecord]) -> dict[str, str]:
-    """The first failure of each kind, with what was said about it: why requests failed, not just how many."""
-    out: dict[str, str] = {}
-    for r in records:
-        if not r.ok and r.error not in out:
-            out[r.error] = r.detail or ""
-    return out
 
 
 def _json(obj) -> bytes:
