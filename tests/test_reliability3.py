@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import run_cli, save_char_model, tiny_chat_target, tiny_drafter, tiny_target, write_prompts
+from conftest import run_cli, save_char_model, serving, tiny_chat_target, tiny_drafter, tiny_target, write_prompts
 
 from dominospec import SamplingConfig, cli
 from dominospec.engine import EngineRequest
@@ -282,25 +282,14 @@ def test_the_served_model_name_is_the_directorys_base_name():
 
 
 @contextlib.contextmanager
-def live_server(target, **config_kw):
+def live_server(target, drafter=None, policy: str = "plain", **config_kw):
     """A server over a batched engine in a thread on a free loopback port; yields its base URL."""
     from dominospec.engine import Engine
-    from dominospec.serve import ServeConfig, free_port, make_server
+    from dominospec.serve import ServeConfig
 
-    engine = Engine(target, max_batch=4, max_queue=32)
-    config = ServeConfig(model_name=target.name, request_timeout=60, **config_kw)
-    server = make_server(engine, target, config, port=free_port())
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    engine = Engine(target, drafter, policy=policy, max_batch=4, max_queue=32)
+    with serving(engine, target, ServeConfig(model_name=target.name, request_timeout=60, **config_kw)) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -579,3 +568,241 @@ def test_a_learned_mask_on_a_tied_target_needs_allow_approx(tmp_path):
         export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=5)
     report = export_drafter(drafter, "sglang", tmp_path / "out", target, mask_token_id=5, allow_approx=True)
     assert report["status"] == "approximate" and any("ties its embeddings" in a for a in report["approximations"])
+
+
+# ----- Low: the smaller refusals and notes -----
+
+
+def test_profile_clips_its_default_contexts_to_the_targets_context(char_model, tmp_path, capsys, monkeypatch):
+    """Protects: `dominospec profile` with its default contexts runs on a short-context target, saying so."""
+    import dominospec.cli.profile as profile_cli
+
+    seen = {}
+
+    def fake_profile(target, drafter, contexts, max_k, repeats, seed, batch_rows=()):
+        seen["contexts"] = contexts
+        raise SystemExit(0)  # the measurement itself is not under test
+
+    monkeypatch.setattr(profile_cli, "profile_device", fake_profile)
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "profile", "--target", char_model, "--no-draft", "--max-k", "8")
+    err = capsys.readouterr().err
+    assert seen["contexts"] == [56] and "default contexts 256,1024 clipped to 56" in err, err
+
+
+def test_prepare_data_layer_ids_without_a_feature_cache_is_refused(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi"])
+    argv = ["prepare-data", "--target", NOWHERE, "--prompts", prompts, "--out", tmp_path / "d", "--layer-ids", "1,2"]
+    rc, err = run_cli(capsys, *argv)
+    assert rc == 2 and "--layer-ids 1,2 chooses the layers kept in --feature-cache, and there is none" in err, err
+
+
+def test_train_samples_without_off_policy_samples_blames_train_samples():
+    """Protects: --train-samples N,M on a set without off-policy samples names --train-samples, not --train-labels."""
+    from dominospec import DominoError
+    from dominospec.train.run import training_subset
+
+    samples = [{"labels": "on-policy", "i": i} for i in range(5)]
+    with pytest.raises(DominoError, match=r"--train-samples 3,1000000 \(its off-policy count\): d holds no off-policy"):
+        training_subset(samples, "all", (3, 1_000_000), "d", 0)
+
+
+def test_block_size_auto_says_which_sizes_were_never_measured(monkeypatch, tmp_path):
+    """Protects: when the profile covers only some block sizes, the note says the rest were not considered."""
+    import dominospec.tune.profile as cost
+
+    drafter = type("D", (), {"config": type("C", (), {"block_size": 6})()})()
+    (tmp_path / "acceptance.json").write_text(json.dumps({"conditional": [0.0] * 6}))
+    profile = {"verify": {"256": {"k": [1, 2, 3], "seconds": [0.01, 0.0101, 0.0102]}}}
+    monkeypatch.setattr(cost, "sidecar_path", lambda d, name: tmp_path / name)
+    monkeypatch.setattr(cost, "ensure_profile", lambda *a, **k: profile)
+    b, note = cost.auto_block_size(None, drafter)
+    assert b == 0 and "no measured block size beats it" in note and "block sizes 3..6 were not considered" in note
+
+
+# ----- fuzz: random JSON for every field of both request schemas, against a live server -----
+
+FUZZ_CASES = 150  # requests in all (bounded in count) ...
+FUZZ_SECONDS = 20.0  # ... and in time: the test stops sending after this, whatever the count
+SHARED_FIELDS = {  # field -> plausible values (the rest of the time: any JSON value)
+    "model": ["tiny-chat"],
+    "temperature": [0, 0.7, 1.0, 2, 1e-300, 5e-324, 1e-20, 1e-45],
+    "top_p": [1.0, 0.5, 1e-300, 5e-324, 1e-30],
+    "top_k": [0, 1, 5, 10**30],
+    "max_tokens": [1, 3, 6],
+    "seed": [0, 7, 2**63 - 1],
+    "stop": ["a", ["x", "yz"], "\n", ["é"] * 8],
+    "stream": [True, False],
+    "stream_options": [{"include_usage": True}, {"include_usage": False}],
+    "ignore_eos": [True, False],
+    "n": [1],
+    "logprobs": [None, False],
+    "top_logprobs": [0],
+    "presence_penalty": [0],
+    "frequency_penalty": [0.0],
+    "logit_bias": [{}],
+}
+CHAT_FIELDS = {
+    **SHARED_FIELDS,
+    "messages": [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "why?"}]}],
+    ],
+    "max_completion_tokens": [2, 4],
+    "chat_template_kwargs": [{"enable_thinking": True}, {"add_generation_prompt": False}, {"messages": 1}],
+    "tools": [[]],
+    "tool_choice": ["none"],
+    "functions": [[]],
+    "function_call": ["none"],
+    "response_format": [{"type": "text"}],
+    "audio": [None],
+    "modalities": [["text"]],
+    "prediction": [None],
+}
+COMPLETION_FIELDS = {
+    **SHARED_FIELDS,
+    "prompt": ["hello", ["hi"], [5, 9, 11], [[5, 9]], "é" * 50],
+    "echo": [False],
+    "suffix": [""],
+    "best_of": [1],
+}
+
+
+def random_json(rng, depth: int = 0):
+    """Any JSON value: the odd numbers (huge, tiny, negative zero), strings, nested lists and objects."""
+    kinds = ["null", "bool", "int", "float", "str"] + (["list", "dict"] if depth < 3 else [])
+    kind = rng.choice(kinds)
+    if kind == "null":
+        return None
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "int":
+        return rng.choice([0, 1, -1, 2, 17, 511, 10**6, -(2**63), 2**64, 10**40])
+    if kind == "float":
+        return rng.choice([0.0, -0.0, 0.5, 1.5, 2.0000001, -1e-300, 1e-300, 5e-324, 1e308, 3.14])
+    if kind == "str":
+        return rng.choice(["", "a", "é", "\u0000", "\ud7ff" * 3, "x" * 600, "<|im_end|>", "NaN", "1"])
+    if kind == "list":
+        return [random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {
+        rng.choice(["role", "content", "type", "text", "k"]): random_json(rng, depth + 1)
+        for _ in range(rng.randint(0, 3))
+    }
+
+
+def random_request(rng, fields: dict) -> dict:
+    """Half the cases hold plausible values only (they reach the engine: poisoned sampling, odd stops, ...);
+    the other half put any JSON value into about a third of their fields (they test the schema)."""
+    wild = rng.random() < 0.5
+    body = {}
+    for name, plausible in fields.items():
+        if rng.random() < 0.5 and name not in ("messages", "prompt"):
+            continue
+        body[name] = random_json(rng) if wild and rng.random() < 0.3 else rng.choice(plausible)
+    return body
+
+
+def check_response(r: httpx.Response, body) -> None:
+    """A 2xx (a whole stream without a server error inside), or a 4xx with OpenAI's error body."""
+    assert r.status_code < 500, (r.status_code, r.text[:300], body)
+    if r.status_code >= 400:
+        assert_openai_error(r, r.status_code)
+        return
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", (r.text[-300:], body)
+        for e in events[:-1]:
+            assert json.loads(e).get("error", {}).get("type") != "server_error", (e, body)
+    else:
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), (r.text[:300], body)
+
+
+def bystander_streams(base: str, stop: threading.Event, outcomes: list) -> None:
+    """Streams a sampled answer over and over while the fuzz runs; records how each ended."""
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "max_tokens": 12,
+        "stream": True,
+        "temperature": 0.8,
+        "seed": 3,
+        "ignore_eos": True,
+    }
+    while not stop.is_set():
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
+            text = r.read().decode()
+        finish = [
+            json.loads(e)["choices"][0]["finish_reason"]
+            for e in (line[6:] for line in text.splitlines() if line.startswith("data: {"))
+            if json.loads(e).get("choices")
+        ]
+        outcomes.append((r.status_code, text.rstrip().endswith("data: [DONE]"), finish[-1] if finish else None))
+
+
+def test_fuzzed_requests_never_get_a_500_and_never_break_a_bystander(chat_target):
+    """Protects: random JSON in every field of chat and completion requests gets a 2xx or an OpenAI-shaped
+    4xx, never a 500; a stream running beside them always completes (issue 34, Tests)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(2026)
+    cases = []
+    for i in range(FUZZ_CASES):
+        chat = i % 2 == 0
+        body = random_request(rng, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        if rng.random() < 0.05:  # not an object at all
+            body = random_json(rng)
+        cases.append(("chat/completions" if chat else "completions", body))
+    drafter = tiny_drafter(chat_target, block_size=3)
+    with live_server(chat_target, drafter=drafter, policy="fixed") as base:
+        stop, outcomes = threading.Event(), []
+        watcher = threading.Thread(target=bystander_streams, args=(base, stop, outcomes))
+        watcher.start()
+        deadline = time.monotonic() + FUZZ_SECONDS
+        sent = []
+
+        def send(case):
+            route, body = case
+            if time.monotonic() > deadline:
+                return
+            r = httpx.post(
+                f"{base}/v1/{route}", content=json.dumps(body), timeout=60, headers={"Content-Type": "application/json"}
+            )
+            check_response(r, body)
+            sent.append(r.status_code)
+
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(send, cases))
+        finally:
+            stop.set()
+            watcher.join(120)
+    ok = sum(s < 300 for s in sent)
+    print(
+        f"fuzz: {len(sent)} requests, {ok} answered, {len(sent) - ok} refused with a 4xx; "
+        f"bystander streams {len(outcomes)}"
+    )
+    assert len(sent) >= 50 and ok >= 10  # enough of both kinds to mean something
+    assert outcomes and all(o == (200, True, "length") for o in outcomes), outcomes
+
+
+def test_a_request_head_that_never_finishes_is_cut_off(local_server, monkeypatch):
+    """Protects: a client that sends part of its headers and stalls is disconnected after the head timeout."""
+    import socket
+
+    import dominospec.serve.server as server_mod
+
+    monkeypatch.setattr(server_mod, "HEAD_TIMEOUT_S", 0.5)  # read when a connection is made
+    port = int(local_server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty")
+        assert s.recv(4096) == b""  # closed by the server, well before the socket's own 10 s
+    assert httpx.get(f"{local_server}/health").status_code == 200
+
+
+def test_an_engine_whose_slots_cannot_hold_a_cycle_is_refused(native_target, drafter):
+    """Protects: max_len below the drafter's block size (the CLI cannot see it before loading) is named."""
+    from dominospec import DominoError
+    from dominospec.engine import Engine
+
+    with pytest.raises(DominoError, match="engine max_len 5 leaves no room for a request"):
+        Engine(native_target, drafter, policy="fixed", max_len=5)

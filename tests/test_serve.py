@@ -18,14 +18,14 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import paced_engine, tiny_chat_target
+from conftest import paced_engine, serving, tiny_chat_target
 from prometheus_client.parser import text_string_to_metric_families
 
 import dominospec
 from dominospec.decode import generate_autoregressive
 from dominospec.engine import Engine
 from dominospec.sampling import SamplingConfig
-from dominospec.serve import ServeConfig, free_port, make_server
+from dominospec.serve import ServeConfig, free_port
 from dominospec.serve.loadtest import LoadTestConfig, check_loopback, percentiles, run_loadtest
 from dominospec.serve.text import TextStream
 
@@ -40,19 +40,8 @@ def running_server(target, pause: float = 0.0, request_timeout: float = 30.0, ap
     pause > 0: the engine sleeps that long before every step (see paced_engine)."""
     engine = paced_engine(target, pause, **engine_kw) if pause else Engine(target, **engine_kw)
     config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
-    server = make_server(engine, target, config, port=free_port())
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "the server did not stop"
+    with serving(engine, target, config) as base:
+        yield base, engine
 
 
 def client(base: str, key: str = "none") -> openai.OpenAI:
@@ -436,7 +425,7 @@ def test_api_key_is_required_everywhere_but_health(target):
 DRAIN_SERVER = """
 import sys
 sys.path.insert(0, {tests!r})
-from conftest import paced_engine, tiny_chat_target
+from conftest import paced_engine, serving, tiny_chat_target
 from dominospec.serve import ServeConfig, make_server
 target = tiny_chat_target()
 engine = paced_engine(target, {pause}, max_batch=1)

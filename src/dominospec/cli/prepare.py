@@ -32,6 +32,11 @@ def cmd_prepare(args) -> int:
     )
     require_at_least(args, 1, "limit")
     require_at_least(args, 0, "skip")
+    if args.layer_ids and not args.feature_cache:
+        raise DominoError(
+            f"--layer-ids {args.layer_ids} chooses the layers kept in --feature-cache, and there is none: add "
+            "--feature-cache DIR, or give --layer-ids to `train` instead"
+        )
     if args.feature_cache:
         ensure_writable_dir(args.feature_cache, "--feature-cache")
     check_prompt_specs(args.prompts)

@@ -317,6 +317,8 @@ def step(
             new.append([])
             continue
         new.append(commit(r, p, k, n, nxt, proposer.counts_cycles))
+        if not r.speculative:  # a plain row never drafts: the proposer needs nothing from it
+            continue
         i = r.slot - lo
         proposer.observe(r, p, k, n, out.features[i : i + 1, : n + 1] if feats else None)  # [1, n+1, F]
         if p is not None:

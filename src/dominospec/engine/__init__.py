@@ -2,7 +2,7 @@
 
 request.py  EngineRequest, RequestHandle, RequestResult, EngineFull
 engine.py   Engine: admission, chunked prefill, the shared step (decode/step.py) over all decoding rows, threads
-memory.py   whether the slot caches fit in memory, checked before they are allocated
+memory.py   whether max_batch slot caches fit in free memory, checked before they are allocated
 """
 
 from .engine import POLICIES, Engine

@@ -90,6 +90,11 @@ class Engine:
             device=target.device,
         )
         self.block_size = self.proposer.block_size
+        if self.max_len < self.block_size + 3:  # a prompt token, the anchor, the drafts and one more
+            raise DominoError(
+                f"engine max_len {self.max_len} leaves no room for a request: a cycle needs a prompt token, the "
+                f"anchor and {self.block_size} draft positions ({self.block_size + 3} positions at least)"
+            )
         self.policy = make_policy(
             policy,
             self.drafter,

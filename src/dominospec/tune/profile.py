@@ -407,5 +407,17 @@ def auto_block_size(target, drafter, context: int = 256) -> tuple[int, str]:
     acceptance = read_acceptance(acc_path)
     b, rates = best_block_size(profile, acceptance, own, context)
     shown = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(rates.items()))
-    chosen = "plain decoding (no block size beats it here)" if b == 0 else str(b)
-    return b, f"--block-size auto chose {chosen}; expected tokens/s by block size (0 = plain): {shown}"
+    unmeasured = [k for k in range(1, own + 1) if k not in rates]
+    beats = "no measured block size beats it here" if unmeasured else "no block size beats it here"
+    chosen = f"plain decoding ({beats})" if b == 0 else str(b)
+    note = f"--block-size auto chose {chosen}; expected tokens/s by block size (0 = plain): {shown}"
+    if unmeasured:
+        note += (
+            f"; block sizes {_span(unmeasured)} were not considered (the device profile or the acceptance does not "
+            f"cover them: rerun `dominospec profile --max-k {own + 1}`)"
+        )
+    return b, note
+
+
+def _span(ks: list[int]) -> str:
+    return f"{ks[0]}..{ks[-1]}" if len(ks) > 1 and ks[-1] - ks[0] == len(ks) - 1 else ",".join(map(str, ks))
