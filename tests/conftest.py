@@ -161,30 +161,6 @@ def paced_engine(target: Target, pause: float, **engine_kw):
     return PacedEngine(target, **engine_kw)
 
 
-@contextlib.contextmanager
-def running_server(target, pause: float = 0.0, request_timeout: float = 30.0, api_key=None, **engine_kw):
-    """A server in a thread on a free loopback port; yields (base URL, engine); stopped on exit.
-    pause > 0: the engine sleeps that long before every step (see paced_engine)."""
-    from dominospec.engine import Engine
-    from dominospec.serve import ServeConfig, free_port, make_server
-
-    engine = paced_engine(target, pause, **engine_kw) if pause else Engine(target, **engine_kw)
-    config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
-    server = make_server(engine, target, config, port=free_port())
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}", engine
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "the server did not stop"
-
-
 @pytest.fixture(scope="session")
 def llama_target():
     return tiny_target("llama")
@@ -385,6 +361,27 @@ CONVERSATIONS = [
 PREPARE = PrepareConfig(max_new_tokens=6, temperature=1.0, top_p=1.0, seed=3, batch_size=2, shard_size=2)
 
 
+@contextlib.contextmanager
+def serving(engine, target, config):
+    """`dominospec serve`'s server over `engine` in a thread on a free loopback port; yields its base URL and
+    stops it on exit."""
+    from dominospec.serve import free_port, make_server
+
+    server = make_server(engine, target, config, port=free_port())
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the server did not stop"
+
+
 # ----- the command line, run in this process -----
 
 
@@ -564,3 +561,13 @@ def save_char_model(d: Path, context: int = 64, seed: int = 0) -> Path:
     model.save_pretrained(str(d))
     tok.save_pretrained(str(d))
     return d
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine, target, api_key: str | None = None, request_timeout: float = 30.0):
+    """`serving` with the target's default ServeConfig, an API key and a time limit."""
+    from dominospec.serve import ServeConfig
+
+    config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
+    with serving(engine, target, config) as base:
+        yield base

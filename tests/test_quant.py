@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 from conftest import (
     assert_matches_target_distribution,
-    running_server,
+    serving,
     tiny_chat_target,
     tiny_drafter,
     tiny_target,
@@ -20,11 +20,11 @@ from conftest import (
 from dominospec import DominoError, SamplingConfig, Target, cli, generate_autoregressive, generate_speculative
 from dominospec.data.dataset import load_dataset_dir, target_record
 from dominospec.decode import PromptLookup
-from dominospec.decode.cost import device_fingerprint
 from dominospec.engine import Engine, EngineRequest
 from dominospec.targets.features import FeatureCache
 from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kernels
 from dominospec.targets.quant import dequantize_int8, format_values, quantize_int8
+from dominospec.tune.profile import device_fingerprint
 
 FORMATS = ["bfloat16", "int8"]
 # (N, K): N ragged against the panel width, K odd, int8's groups of 32 ragged
@@ -239,10 +239,13 @@ def test_server_answers_greedy_chat_with_the_formats_plain_output(fmt, kernels):
     bf16 / int8 weights, answers a T=0 chat with the text plain decoding of that format writes."""
     import openai
 
+    from dominospec.serve import ServeConfig
+
     chat = tiny_chat_target(backend="hf")
     t = Target(chat.model, chat.tokenizer, name="tiny-chat", backend="native", weights=fmt)
     drafter = tiny_drafter(t, head="domino", block_size=4).to(torch.float32)
-    with running_server(t, drafter=drafter, lookup=True, policy="fixed", max_batch=2) as (base, engine):
+    engine = Engine(t, drafter, lookup=True, policy="fixed", max_batch=2)
+    with serving(engine, t, ServeConfig(model_name=t.name)) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         for text in ("Tell me about the sea.", "abcabcabc"):
             messages = [{"role": "user", "content": text}]

@@ -18,19 +18,30 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import running_server, tiny_chat_target
+from conftest import paced_engine, serving, tiny_chat_target
 from prometheus_client.parser import text_string_to_metric_families
 
 import dominospec
 from dominospec.decode import generate_autoregressive
+from dominospec.engine import Engine
 from dominospec.sampling import SamplingConfig
-from dominospec.serve import free_port
+from dominospec.serve import ServeConfig, free_port
 from dominospec.serve.loadtest import LoadTestConfig, check_loopback, percentiles, run_loadtest
 from dominospec.serve.text import TextStream
 
 SRC = Path(dominospec.__file__).resolve().parents[1]  # the subprocess imports the package under test
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 PAUSE = 0.01  # seconds before each engine step, where a test must act while a request runs
+
+
+@contextlib.contextmanager
+def running_server(target, pause: float = 0.0, request_timeout: float = 30.0, api_key=None, **engine_kw):
+    """A server in a thread on a free loopback port; yields (base URL, engine); stopped on exit.
+    pause > 0: the engine sleeps that long before every step (see paced_engine)."""
+    engine = paced_engine(target, pause, **engine_kw) if pause else Engine(target, **engine_kw)
+    config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
+    with serving(engine, target, config) as base:
+        yield base, engine
 
 
 def client(base: str, key: str = "none") -> openai.OpenAI:
@@ -222,7 +233,7 @@ def test_models_health_and_metrics(server, target):
     assert [m.id for m in client(base).models.list()] == [target.name]
     assert httpx.get(f"{base}/health").json() == {"status": "ok"}
     client(base).chat.completions.create(model=target.name, messages=MESSAGES, max_tokens=4)
-    httpx.post(f"{base}/v1/chat/completions", content=b"{")
+    httpx.post(f"{base}/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"})
     text = httpx.get(f"{base}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     statuses = {s.labels["status"] for s in families["dominospec_http_requests"].samples if s.name.endswith("_total")}
@@ -414,7 +425,7 @@ def test_api_key_is_required_everywhere_but_health(target):
 DRAIN_SERVER = """
 import sys
 sys.path.insert(0, {tests!r})
-from conftest import paced_engine, running_server, tiny_chat_target
+from conftest import paced_engine, serving, tiny_chat_target
 from dominospec.serve import ServeConfig, make_server
 target = tiny_chat_target()
 engine = paced_engine(target, {pause}, max_batch=1)

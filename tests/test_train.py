@@ -239,7 +239,7 @@ def test_training_subset_takes_a_prefix_of_one_labels_kind():
     assert training_subset(samples, "all", None, "D", 0) == samples
     with pytest.raises(DominoError, match=r"--train-samples 10: D has only 9 training samples \(on-policy"):
         training_subset(samples, "on-policy", 10, "D", 5)
-    with pytest.raises(DominoError, match="--train-labels off-policy: D holds no such"):
+    with pytest.raises(DominoError, match="--train-labels off-policy: D holds no off-policy training sample"):
         training_subset(samples[-1:], "off-policy", None, "D", 0)
     mix = training_subset(samples, "all", (2, 1), "D", 0)  # the first 2 on-policy and the first off-policy one
     assert [s["id"] for s in mix] == ["a:0", "a:1", "a:2"]

@@ -126,3 +126,20 @@ def _openmp_libraries():
             yield ctypes.CDLL(path)
         except OSError:
             continue
+
+
+def available_bytes(device) -> int | None:
+    """Memory free for new tensors on `device` now (CUDA: free device memory; CPU: MemAvailable), or None."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    if dev.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -26,14 +26,24 @@ def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "
         raise DominoError(f"{prefix}top-k must be an integer >= 0, got {top_k}")
 
 
+# Settings this small are greedy. logits / T overflows float32 once T < |logit| / 3.4e38 (and a T
+# under float32's range rounds to 0), which turns the softmax into NaN; long before that every logit
+# gap a model produces already gives a one-hot distribution. A top_p this small (float32 rounds it
+# to 0 below 1e-45) keeps only the most likely token, which is the argmax.
+MIN_TEMPERATURE = 1e-20
+MIN_TOP_P = 1e-20
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0: greedy; (0, MIN_TEMPERATURE) is made 0
     top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
+    top_p: float = 1.0  # 1: off; (0, MIN_TOP_P) makes the settings greedy
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_k, self.top_p)
+        if self.temperature < MIN_TEMPERATURE or self.top_p < MIN_TOP_P:  # the one place of this rule
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

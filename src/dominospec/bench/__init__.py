@@ -5,4 +5,5 @@ methods.py  the ways of decoding (ar, hf, pld, drafters, ablations, lookup, hybr
 runner.py   the interleaved run, results on disk, prompt files, acceptance.json
 report.py   markdown tables, report.md, plots
 concurrency.py  the engine under closed-loop load (bench --concurrency)
+server.py   a running server under closed-loop load, per prompt category (bench --server)
 """

@@ -18,15 +18,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..decode.cost import precision
+from ..decode.schedule import VERIFY_MODES
 from ..devices import describe_device
 from ..engine import Engine, EngineRequest
 from ..errors import DominoError
 from ..io import write_json_atomic
 from ..sampling import SamplingConfig
+from ..tune.profile import precision
 
-ENGINE_POLICIES = ("plain", "fixed", "static", "cost", "lookup", "hybrid")
+ENGINE_POLICIES = (*VERIFY_MODES, "lookup", "hybrid")  # lookup alone and the hybrid run cost-scheduled
 WARMUP_TOKENS = 8
+
+
+MAX_CONCURRENCY = 1024  # closed-loop clients of one level
 
 
 def parse_concurrency(spec: str) -> list[int]:
@@ -36,6 +40,10 @@ def parse_concurrency(spec: str) -> list[int]:
         raise DominoError(f"--concurrency {spec!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
     if not levels or min(levels) < 1:
         raise DominoError(f"--concurrency {spec!r}: concurrency levels must be >= 1")
+    if max(levels) > MAX_CONCURRENCY:
+        raise DominoError(
+            f"--concurrency {spec!r}: at most {MAX_CONCURRENCY} clients (each is a thread and an engine slot)"
+        )
     return levels
 
 

@@ -30,12 +30,13 @@ import torch
 
 from ..decode import generate_autoregressive, generate_speculative
 from ..decode.lookup import HYBRID_MIN_MATCH, LOOKUP_BLOCK_SIZE, PromptLookup
-from ..decode.schedule import DEFAULT_THRESHOLD, CostTable, VerifyPolicy, make_policy
+from ..decode.schedule import DEFAULT_THRESHOLD, CostTable, VerifyPolicy
 from ..devices import synchronize
 from ..errors import DominoError
 from ..sampling import SamplingConfig
 from ..targets.context import cap_new_tokens
 from ..targets.load import BUNDLED_ALIASES
+from ..tune.policy import make_policy
 from .metrics import REFERENCE, PromptRun
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for the pld baseline
@@ -308,7 +309,6 @@ def build_methods(
     costs: CostTable | None = None,
     threshold: float = DEFAULT_THRESHOLD,
     lookup_min_match: int = HYBRID_MIN_MATCH,
-    greedy: bool = False,
     gguf: str | None = None,
 ) -> tuple[list[Method], list[str]]:
     """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
@@ -340,7 +340,14 @@ def build_methods(
         for mode in verify:
             try:
                 policy = make_policy(
-                    mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append, greedy=greedy
+                    mode,
+                    drafter,
+                    target,
+                    threshold=threshold,
+                    costs=costs,
+                    block_size=b,
+                    lookup=lookup,
+                    report=notes.append,
                 )
             except DominoError as exc:
                 notes.append(f"{name}-{mode}: skipped ({exc})")

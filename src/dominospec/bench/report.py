@@ -19,15 +19,22 @@ def format_verify_cost(table: dict) -> str:
     mins = table.get("min_seconds") or [None] * len(table["k"])
     min_rel = table.get("min_relative_to_1") or [None] * len(table["k"])
     for k, s, r, sps, m, mr in zip(table["k"], table["seconds"], table["relative_to_1"], table["sps"], mins, min_rel):
-        lines.append(f"| {k} | {1e3 * s:.1f} | {r:.2f} | {sps:.1f} | {_f(m and 1e3 * m, 1)} | {_f(mr)} |")
+        lines.append(f"| {k} | {1e3 * s:.1f} | {r:.2f} | {sps:.1f} | {fmt(m and 1e3 * m, 1)} | {fmt(mr)} |")
     return "\n".join(lines)
 
 
 # ----- report -----
 
 
-def _f(x, digits: int = 2) -> str:
+def fmt(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown_table(head: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A markdown table: the first `left` columns left-aligned (names), the rest right-aligned (numbers)."""
+    align = ["---"] * left + ["---:"] * (len(head) - left)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def format_method_table(methods: dict) -> str:
@@ -41,8 +48,8 @@ def format_method_table(methods: dict) -> str:
         if "not_near_tie" in m:
             mm += f" ({m['not_near_tie']} not near-tie)"
         lines.append(
-            f"| {name} | {_f(m['tokens_per_s'])} | {_f(m['speedup'])}x | {_f(m['tau'])} | "
-            f"{_f(m.get('verified_per_cycle'))} | {_f(m.get('wasted_per_cycle'))} | {_share(m)} | {mm} | "
+            f"| {name} | {fmt(m['tokens_per_s'])} | {fmt(m['speedup'])}x | {fmt(m['tau'])} | "
+            f"{fmt(m.get('verified_per_cycle'))} | {fmt(m.get('wasted_per_cycle'))} | {_share(m)} | {mm} | "
             f"{m['num_prompts']} | {m['new_tokens']} |"
         )
     return "\n".join(lines)
@@ -61,7 +68,7 @@ def format_acceptance_table(methods: dict, key: str) -> str:
     width = max(len(m[key]) for m in with_cycles.values())
     lines = ["| method | " + " | ".join(f"k={k}" for k in range(1, width + 1)) + " |", "|---|" + "---:|" * width]
     for name, m in with_cycles.items():
-        cells = [_f(v) for v in m[key]] + [""] * (width - len(m[key]))
+        cells = [fmt(v) for v in m[key]] + [""] * (width - len(m[key]))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -73,9 +80,9 @@ def format_time_table(methods: dict) -> str:
     ]
     for name, m in methods.items():
         lines.append(
-            f"| {name} | {_f(m['prefill_ms_per_prompt'], 1)} | {_f(m['draft_ms_per_cycle'], 1)} | "
-            f"{_f(m['verify_ms_per_cycle'], 1)} | {_f(m['host_ms_per_cycle'], 1)} | "
-            f"{_f(m['ms_per_token'], 1)} |"
+            f"| {name} | {fmt(m['prefill_ms_per_prompt'], 1)} | {fmt(m['draft_ms_per_cycle'], 1)} | "
+            f"{fmt(m['verify_ms_per_cycle'], 1)} | {fmt(m['host_ms_per_cycle'], 1)} | "
+            f"{fmt(m['ms_per_token'], 1)} |"
         )
     return "\n".join(lines)
 

@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from ..data.prompts import read_prompt_file
-from ..decode.cost import precision
-from ..decode.schedule import VERIFY_MODES
+from ..decode.schedule import DRAFT_MODES
 from ..devices import describe_device
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..errors import DominoError
@@ -33,6 +32,7 @@ from ..io import ensure_writable_dir, write_atomic, write_json_atomic
 from ..log import log
 from ..sampling import SamplingConfig
 from ..targets.context import cap_new_tokens, encode_if_fits
+from ..tune.profile import precision
 from ..version import __version__
 from .methods import METHOD_GROUPS, Method, PromptLookupAlone, Speculative
 from .metrics import REFERENCE, PromptRun, summarize, tokens_per_second
@@ -45,8 +45,10 @@ def parse_choices(spec: str, flag: str, allowed: Sequence[str]) -> list[str]:
     """A comma list of names from `allowed`, deduplicated in order; anything else names the flag."""
     names = [g.strip() for g in spec.split(",") if g.strip()]
     bad = [g for g in names if g not in allowed]
-    if bad or not names:
-        raise DominoError(f"{flag} {spec!r}: unknown {bad}; choose from {','.join(allowed)}")
+    if not names:
+        raise DominoError(f"{flag} {spec!r} names nothing; choose one or more of {','.join(allowed)}")
+    if bad:
+        raise DominoError(f"{flag} {spec!r}: unknown {', '.join(bad)}; choose from {','.join(allowed)}")
     return list(dict.fromkeys(names))
 
 
@@ -55,7 +57,7 @@ def parse_methods(spec: str) -> list[str]:
 
 
 def parse_verify(spec: str) -> list[str]:
-    return parse_choices(spec, "--verify", VERIFY_MODES)
+    return parse_choices(spec, "--verify", DRAFT_MODES)
 
 
 # ----- running -----

@@ -20,11 +20,11 @@ from ..bench.runner import (
     save_acceptance,
 )
 from ..data.prompts import check_prompt_file
-from ..decode.cost import auto_block_size, profile_verify_cost
 from ..drafter.checkpoint import ACCEPTANCE_NAME, is_shipped, sidecar_path
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
+from ..tune.profile import auto_block_size, profile_verify_cost
 from .common import (
     LOOKUP,
     add_sampling_args,
@@ -38,9 +38,12 @@ from .common import (
     target_from_args,
     warn_if_reduced_precision,
 )
+from .serve import need_serve_extra
 
 
 def cmd_bench(args) -> int:
+    if args.server or args.compare:
+        return _bench_server(args)
     if not args.prompts and not args.profile:
         raise DominoError("nothing to do: give --prompts FILE.jsonl (one or more), --profile, or both")
     # arguments and the output directory first: nothing is loaded or run before they are sound
@@ -54,7 +57,7 @@ def cmd_bench(args) -> int:
         "repeats",
         *(["block_size"] if args.block_size != "auto" else []),
     )
-    levels = parse_concurrency(args.concurrency) if args.concurrency else None
+    levels = parse_concurrency(args.concurrency) if args.concurrency is not None else None
     policies = parse_choices(args.policies, "--policies", ENGINE_POLICIES) if levels else None
     if levels and not args.prompts:
         raise DominoError("--concurrency needs --prompts FILE.jsonl")
@@ -111,7 +114,6 @@ def cmd_bench(args) -> int:
         target,
         threshold=args.confidence_threshold,
         lookup_min_match=args.lookup_min_match,
-        greedy=sampling.greedy,
         gguf=args.gguf,
     )
     for n in notes:
@@ -177,6 +179,46 @@ def _bench_concurrency(args, target, levels, policies, sampling, out) -> int:
     print(format_concurrency_table(results))
     log("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _bench_server(args) -> int:
+    """Running servers under load per category and concurrency, and/or earlier runs, in one report."""
+    need_serve_extra()
+    from ..bench.server import ServerBenchConfig, bench_server, load_runs, read_categories, write_report
+    from ..serve.loadtest import check_loopback
+
+    require_at_least(args, 1, "max_new_tokens", "limit")
+    for url in args.server:
+        check_loopback(url)
+    if args.server and not args.prompts:
+        raise DominoError("--server needs --prompts FILE.jsonl (one or more)")
+    if len(args.label) > len(args.server):
+        raise DominoError(f"{len(args.label)} --label for {len(args.server)} --server: give at most one per server")
+    levels = parse_concurrency(args.concurrency or "1")
+    runs = [run for p in args.compare for run in load_runs(p)]
+    earlier = len(runs)
+    categories = read_categories(args.prompts, args.limit) if args.server else {}
+    out = ensure_writable_dir(args.out)
+    for i, url in enumerate(args.server):
+        cfg = ServerBenchConfig(
+            url=url,
+            categories=categories,
+            levels=levels,
+            label=args.label[i] if i < len(args.label) else "",
+            max_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            spec_metrics=not args.no_spec_metrics,
+            api_key=args.api_key,
+            level_timeout_s=args.level_timeout,
+        )
+        log(f"bench --server {url}: {', '.join(categories)} at concurrency {', '.join(map(str, levels))}")
+        runs.append(bench_server(cfg, progress=log))
+    written = write_report(runs, out, plots=not args.no_plots)
+    print((out / "server.md").read_text(), end="")
+    log("wrote " + ", ".join(str(p) for p in written))
+    failed = sum(sum(row["errors"].values()) for run in runs[earlier:] for row in run["rows"])
+    return 1 if failed else 0
 
 
 def _check_save_acceptance_args(args, groups, verify, sampling) -> None:
@@ -298,6 +340,40 @@ def add_parser(sub) -> None:
         help=f"engine policies for --concurrency: comma list of {', '.join(ENGINE_POLICIES)} (lookup: prompt "
         "lookup alone; hybrid: drafter + lookup, both cost-scheduled; cost, lookup and hybrid read this device's "
         "cost table, measured on first use when missing) (default %(default)s)",
+    )
+    s = p.add_argument_group(
+        "a running server (any OpenAI-compatible one on this machine)",
+        "Streaming chat clients per prompt category (a line's `category`, as in Spec-Bench and SPEED-Bench, "
+        "else the file's name) at each --concurrency level; writes DIR/server.json, server.md and server.png. "
+        "Nothing is loaded here: the server answers.",
+    )
+    s.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="the server's root, e.g. http://127.0.0.1:8000 (repeatable: each runs in turn, compared side by side, "
+        "the first as the baseline)",
+    )
+    s.add_argument("--label", action="append", default=[], help="a name for each --server in the report")
+    s.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="SERVER.json",
+        help="an earlier run's server.json (repeatable), reported beside the others (listed first)",
+    )
+    s.add_argument("--api-key", default=None, help="the server's API key")
+    s.add_argument(
+        "--no-spec-metrics",
+        action="store_true",
+        help="do not ask for dominospec's spec_metrics extension (for servers that refuse unknown fields)",
+    )
+    s.add_argument(
+        "--level-timeout",
+        type=float,
+        default=600.0,
+        help="seconds after which a category at one concurrency starts no new request (default %(default)s)",
     )
     g = p.add_argument_group("verify cost profile")
     g.add_argument(

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..drafter import Drafter, shipped_drafter_dir
 from ..errors import DominoError
 from ..export import FORMATS, export_drafter, plan_export
-from ..export.convert import DTYPES
+from ..export.convert import DTYPES, check_out
 from ..log import log
 from ..targets import Target
 
@@ -17,6 +17,7 @@ def cmd_export(args) -> int:
     src = Path(args.drafter)
     if not src.is_dir() and shipped_drafter_dir(args.drafter).is_dir():
         src = shipped_drafter_dir(args.drafter)  # the drafter shipped for a bundled target, by its alias
+    check_out(args.out, src)  # refuse before anything loads
     drafter = Drafter.from_pretrained(src)
     plan_export(drafter.config, args.to, args.mask_token_id, args.allow_approx)  # refuse before the target loads
     name = args.target or drafter.config.target_name
@@ -51,7 +52,12 @@ def add_parser(sub) -> None:
         "drafter", metavar="DRAFTER", help="drafter directory, or a bundled target's alias (its shipped drafter)"
     )
     p.add_argument("--to", required=True, choices=FORMATS, help="the engine's format")
-    p.add_argument("--out", required=True, help="output directory (replaced if it holds an earlier export)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory: new or empty, or one an earlier export wrote (only the files its "
+        "export_report.json lists are replaced; anything else there is left alone)",
+    )
     p.add_argument("--target", default=None, help="the target (default: the one named in the drafter's config)")
     p.add_argument(
         "--mask-token-id",

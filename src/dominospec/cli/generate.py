@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-from ..decode import PromptLookup, generate_autoregressive, generate_speculative, make_policy
-from ..decode.cost import auto_block_size
+from ..decode import PromptLookup, generate_autoregressive, generate_speculative
+from ..decode.schedule import DEFAULT_VERIFY
 from ..errors import DominoError
 from ..log import log
 from ..targets.context import encode_if_fits
+from ..tune.policy import make_policy
+from ..tune.profile import auto_block_size
 from .common import (
+    DEFAULT_DRAFTER,
     LOOKUP,
+    SHIPPED,
     add_sampling_args,
     add_target_args,
     add_verify_args,
@@ -24,12 +29,13 @@ from .common import (
     warn_if_reduced_precision,
 )
 
-# What `generate` runs without --drafter: prompt lookup alone with cost-scheduled verification. On the
-# held-out prompts/eval-* sets it measured best of every configuration with the shipped SmolLM2 drafter
-# (1 thread, AMD EPYC, 2026-12-04: 1.3x over plain decoding at T=0, 1.1x at T=1; the drafter with lookup
-# 1.2x / 1.0x; docs/speed.md). A drafter that beats it (issue: a drafter with tau >= 2) changes this.
-DEFAULT_PROPOSER = LOOKUP
-SHIPPED = "shipped"
+# ANSI colours of the token sources in a terminal; the target's own tokens stay plain
+COLOURS = {"drafter": "\x1b[32m", "lookup": "\x1b[36m", "target": ""}
+RESET = "\x1b[0m"
+LEGEND = (
+    f"{COLOURS['drafter']}accepted drafter draft{RESET}, {COLOURS['lookup']}prompt-lookup copy{RESET}, "
+    "the target's own token"
+)
 
 
 def cmd_generate(args) -> int:
@@ -43,7 +49,7 @@ def cmd_generate(args) -> int:
     require_at_least(args, 1, "max_new_tokens", *(["block_size"] if args.block_size != "auto" else []))
     check_verify_args(args)
     sampling = sampling_from_args(args)
-    choice = args.drafter or DEFAULT_PROPOSER
+    choice = args.drafter or DEFAULT_DRAFTER
     lookup_only = choice == LOOKUP and not args.no_draft
     if lookup_only and args.no_lookup:
         raise DominoError("--no-lookup leaves nothing to draft with: give --drafter shipped or --drafter DIR")
@@ -73,21 +79,17 @@ def cmd_generate(args) -> int:
             log("--block-size auto: prompt lookup has no acceptance table; using its default block size")
     hybrid = drafter is not None and not args.no_lookup  # the default: drafter + prompt lookup
     lookup = PromptLookup(min_match=args.lookup_min_match) if lookup_only or hybrid else None
-    verify = args.verify
-    if verify == "auto":  # cost wherever the proposer can be scheduled
-        schedulable = getattr(drafter, "confidence", None) is not None if drafter is not None else lookup is not None
-        verify = "cost" if schedulable else "fixed"
+    verify = args.verify or DEFAULT_VERIFY
     policy = None
     if drafter is not None or lookup is not None:
         policy = make_policy(
             verify,
             drafter,
             target,
-            args.confidence_threshold,
+            threshold=args.confidence_threshold,
             block_size=block_size,
             lookup=lookup is not None,
             report=log,
-            greedy=sampling.greedy,
         )
 
     def encode_chat(text):
@@ -99,16 +101,9 @@ def cmd_generate(args) -> int:
     if too_long:
         raise DominoError(f"PROMPT {too_long}")
     stream = None
+    colour = not args.json and not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     if not args.json:
-        shown = {"ids": [], "printed": 0}
-
-        def stream(tokens):
-            shown["ids"].extend(tokens)
-            text = target.decode(shown["ids"])
-            sys.stdout.write(text[shown["printed"] :])
-            sys.stdout.flush()
-            shown["printed"] = len(text)
-
+        stream = MarkedPrinter(target.decode, sys.stdout, colour)
     if drafter is None and lookup is None:
         res = generate_autoregressive(target, prompt_ids, args.max_new_tokens, sampling, args.seed, on_tokens=stream)
     else:
@@ -123,7 +118,10 @@ def cmd_generate(args) -> int:
             on_tokens=stream,
             verify=policy,
             lookup=lookup,
+            marks=stream is not None,
         )
+    if stream is not None:
+        stream.finish()
     text = target.decode(res.tokens)
     for note in res.notes:
         log(note)
@@ -144,6 +142,8 @@ def cmd_generate(args) -> int:
         + skipped,
         file=sys.stderr,
     )
+    if colour:
+        print(f"[{mode}] colours: {LEGEND}", file=sys.stderr)
     if res.cycles:
         print(
             f"[{mode}] draft {res.draft_s:.2f}s, verify {res.verify_s:.2f}s, prefill {res.prefill_s:.2f}s; "
@@ -153,6 +153,44 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+class MarkedPrinter:
+    """Prints tokens as they come, each in its source's colour when `colour` (a terminal).
+
+    Called as on_tokens(tokens) (plain decoding: every token is the target's) or
+    on_tokens(tokens, sources). A token's text is what decoding it adds to a short window of the
+    tokens before it (so a long answer costs O(tokens)); a token that ends inside a UTF-8 character
+    waits for the one that completes it, which then carries the character."""
+
+    WINDOW = 8  # tokens decoded before the new one, as context for the decoder
+
+    def __init__(self, decode, out, colour: bool):
+        self.decode, self.out, self.colour = decode, out, colour
+        self.ids: list[int] = []
+        self.written = 0  # tokens whose text is written
+
+    def __call__(self, tokens: list[int], sources: list[str] | None = None) -> None:
+        for tok, source in zip(tokens, sources or ["target"] * len(tokens)):
+            self.ids.append(tok)
+            self._write_new(source, final=False)
+        self.out.flush()
+
+    def finish(self) -> None:
+        self._write_new("target", final=True)
+        self.out.flush()
+
+    def _write_new(self, source: str, final: bool) -> None:
+        start = max(0, self.written - self.WINDOW)
+        before = self.decode(self.ids[start : self.written])
+        window = self.decode(self.ids[start:])
+        if window.endswith("\ufffd") and not final:
+            return
+        piece = window[len(before) :]
+        if piece and self.colour and COLOURS.get(source):
+            piece = f"{COLOURS[source]}{piece}{RESET}"
+        self.out.write(piece)
+        self.written = len(self.ids)
 
 
 def add_parser(sub) -> None:
@@ -197,6 +235,12 @@ def add_parser(sub) -> None:
         "off by default, and templates without the switch ignore it",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    add_verify_args(p, auto=True)
+    p.add_argument(
+        "--no-color",
+        action="store_true",
+        help="plain text even on a terminal (by default a terminal shows accepted drafter drafts in green and "
+        "prompt-lookup copies in cyan; $NO_COLOR does the same)",
+    )
+    add_verify_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ..data.builtin import builtin_prompts
 from ..data.prompts import read_first_turns
 from ..errors import DominoError
+from ..io import ensure_writable_dir
 from ..log import log
+from ..sampling import check_sampling
 from .common import require_at_least
 from .serve import need_serve_extra
 
@@ -16,12 +19,11 @@ HELD_OUT_SEED = 2026  # builtin prompts drawn with a seed the shipped data set d
 
 def cmd_loadtest(args) -> int:
     need_serve_extra()
-    from ..serve.loadtest import LoadTestConfig, check_loopback, run_loadtest
+    from ..serve.loadtest import LoadTestConfig, check_loopback, run_loadtest, write_loadtest
 
-    require_at_least(args, 1, "concurrency", "max_requests", "max_tokens")
-    if not args.duration > 0:
-        raise DominoError(f"--duration must be > 0 seconds, got {args.duration}")
+    check_loadtest_args(args)
     check_loopback(args.url)
+    out = ensure_writable_dir(args.out) if args.out else None
     if args.prompts:
         prompts = read_first_turns(args.prompts)
     else:
@@ -40,10 +42,39 @@ def cmd_loadtest(args) -> int:
         server_pid=args.server_pid,
         fault_round=args.fault_round,
     )
-    log(f"loadtest: {args.concurrency} streaming clients for {args.duration:g} s against {args.url}")
+    log(f"loadtest: {cfg.concurrency} streaming clients for {args.duration:g} s against {args.url}")
     report = run_loadtest(cfg)
     print(json.dumps(report.to_dict()) if args.json else report.table())
+    if out is not None:
+        log("wrote " + ", ".join(str(p) for p in write_loadtest(report, out, plots=not args.no_plots)))
+    if report.requests == 0:
+        log("loadtest: no request was sent")
+        return 1
     return 1 if report.errors else 0
+
+
+MAX_CLIENTS = 1024  # concurrent streaming clients (each holds a connection)
+
+
+def check_loadtest_args(args) -> None:
+    """The load test's own numbers, checked here: the server would refuse them request by request."""
+    from ..serve.protocol import MAX_TEMPERATURE
+
+    require_at_least(args, 1, "concurrency", "max_requests", "max_tokens", "builtin")
+    if not args.duration > 0:
+        raise DominoError(f"--duration must be > 0 seconds, got {args.duration}")
+    check_sampling(args.temperature, 0, 1.0, prefix="--")
+    if args.temperature > MAX_TEMPERATURE:
+        raise DominoError(
+            f"--temperature must be in [0, {MAX_TEMPERATURE:g}] (the API's range), got {args.temperature:g}"
+        )
+    if args.concurrency > MAX_CLIENTS:
+        raise DominoError(f"--concurrency must be at most {MAX_CLIENTS}, got {args.concurrency}")
+    if args.max_requests is not None and args.concurrency > args.max_requests:
+        log(f"loadtest: --max-requests {args.max_requests} keeps only {args.max_requests} clients busy")
+        args.concurrency = args.max_requests
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}").exists():
+        raise DominoError(f"--server-pid {args.server_pid}: no such process on this machine")
 
 
 def add_parser(sub) -> None:
@@ -71,4 +102,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--fault-round", action="store_true", help="disconnects, bad bodies and a burst, halfway")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="also write DIR/loadtest.json (with each request's start, TTFT and latency) and loadtest.png "
+        "(the server's RSS and the latencies over the run; matplotlib, the plots extra)",
+    )
+    p.add_argument("--no-plots", action="store_true", help="with --out: no PNG")
     p.set_defaults(func=cmd_loadtest)

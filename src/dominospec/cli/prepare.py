@@ -32,6 +32,11 @@ def cmd_prepare(args) -> int:
     )
     require_at_least(args, 1, "limit")
     require_at_least(args, 0, "skip")
+    if args.layer_ids and not args.feature_cache:
+        raise DominoError(
+            f"--layer-ids {args.layer_ids} chooses the layers kept in --feature-cache, and there is none: add "
+            "--feature-cache DIR, or give --layer-ids to `train` instead"
+        )
     if args.feature_cache:
         ensure_writable_dir(args.feature_cache, "--feature-cache")
     check_prompt_specs(args.prompts)
@@ -61,7 +66,7 @@ def cmd_prepare(args) -> int:
         check_free_space(args.extend, need // 4, "--extend")
     target = target or target_from_args(args)
     if args.sampler is None:  # the faster one wherever the target runs natively
-        cfg = replace(cfg, sampler="slots" if getattr(target, "native", None) is not None else "batch")
+        cfg = replace(cfg, sampler="slots" if target.supports_rows else "batch")
     if args.extend:
         check_extendable(args.extend, target)
     capture = None

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from ..bench.report import format_device_profile, plot_device_profile
-from ..decode.cost import profile_device, save_profile
 from ..errors import DominoError
 from ..io import cache_dir, ensure_writable_dir, write_json_atomic
 from ..log import log
+from ..tune.profile import profile_device, save_profile
 from .common import add_target_args, resolve_drafter, target_from_args
+
+DEFAULT_CONTEXTS = "256,1024"
 
 
 def cmd_profile(args) -> int:
+    given = args.contexts is not None
     try:
-        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+        contexts = [int(c) for c in (args.contexts if given else DEFAULT_CONTEXTS).split(",") if c.strip()]
     except ValueError:
         raise DominoError(f"--contexts {args.contexts!r}: expected comma-separated integers, e.g. 256,1024") from None
     for name, v in (("--max-k", args.max_k), ("--repeats", args.repeats), ("--contexts", min(contexts or [0]))):
@@ -29,7 +32,14 @@ def cmd_profile(args) -> int:
     target = target_from_args(args)
     limit = target.max_positions
     too_long = [c for c in contexts if limit and c + args.max_k > limit]
-    if too_long:
+    if too_long and not given and limit - args.max_k >= 1:  # the defaults follow the target's context
+        fit = limit - args.max_k
+        contexts = sorted({min(c, fit) for c in contexts})
+        log(
+            f"note: the default contexts {DEFAULT_CONTEXTS} clipped to {','.join(map(str, contexts))}: the target's "
+            f"context of {limit} positions must hold --max-k {args.max_k} new tokens after them"
+        )
+    elif too_long:
         raise DominoError(
             f"--contexts {','.join(map(str, too_long))}: the target's context of {limit} positions leaves no room "
             f"for --max-k {args.max_k} new tokens after it (contexts of at most {limit - args.max_k} fit)"
@@ -65,7 +75,11 @@ def add_parser(sub) -> None:
     add_target_args(p)
     p.add_argument("--drafter", help="drafter directory (default: the one shipped for the bundled target)")
     p.add_argument("--no-draft", action="store_true", help="profile the target only")
-    p.add_argument("--contexts", default="256,1024", help="context lengths (default %(default)s)")
+    p.add_argument(
+        "--contexts",
+        default=None,
+        help=f"context lengths (default {DEFAULT_CONTEXTS}, clipped to what the target's context holds)",
+    )
     p.add_argument("--max-k", type=int, default=17, help="largest number of new tokens (default %(default)s)")
     p.add_argument(
         "--repeats", type=int, default=7, help="timed repeats per size; medians are kept (default %(default)s)"

@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import ipaddress
 import os
+import socket
+from pathlib import Path
 
-from ..decode.schedule import DEFAULT_THRESHOLD
+import torch
+
+from ..decode.schedule import DEFAULT_THRESHOLD, DEFAULT_VERIFY, VERIFY_MODES, check_threshold, verify_mode_help
 from ..errors import DominoError
 from ..log import log
 from .common import (
+    DEFAULT_DRAFTER,
     LOOKUP,
+    NONE,
+    SHIPPED,
     add_target_args,
     require_at_least,
     resolve_drafter,
     target_from_args,
     warn_if_reduced_precision,
 )
-
-NONE = "none"  # --drafter none: plain decoding
-
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai")
 
@@ -36,24 +41,20 @@ def need_serve_extra() -> None:
 def cmd_serve(args) -> int:
     need_serve_extra()
     from ..engine import Engine
-    from ..serve import ServeConfig, make_server
+    from ..serve import LOOPBACK_HOSTS, ServeConfig, make_server
 
-    require_at_least(args, 1, "max_batch", "port", "max_len", "block_size")
-    require_at_least(args, 0, "max_queue")
-    if not 0 < args.confidence_threshold < 1:
-        raise DominoError(f"--confidence-threshold must be in (0, 1), got {args.confidence_threshold}")
-    if not args.request_timeout > 0:
-        raise DominoError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise DominoError("--api-key is empty")
-    if not _is_loopback(args.host) and args.api_key is None:
+    check_serve_args(args)
+    api_key = api_key_from(args)
+    if not _is_loopback(args.host) and api_key is None:
         log(f"serve: listening on {args.host} without --api-key: anyone who reaches this port can use the model")
+    check_listen(args.host, args.port)  # a busy port or a bad host, before the model loads
     target = target_from_args(args)
-    lookup = args.drafter == LOOKUP
+    choice = args.drafter or DEFAULT_DRAFTER
+    lookup = choice == LOOKUP
     drafter = None
-    if args.drafter not in (LOOKUP, NONE) and args.verify != "plain":
-        drafter = resolve_drafter(target, args.drafter)
-    verify = args.verify or ("cost" if drafter is not None or lookup else "plain")
+    if choice not in (LOOKUP, NONE) and args.verify != "plain":
+        drafter = resolve_drafter(target, None if choice == SHIPPED else choice)
+    verify = args.verify or (DEFAULT_VERIFY if drafter is not None or lookup else "plain")
     if verify != "plain" and drafter is None and not lookup:
         raise DominoError(
             f"--verify {verify} drafts, but there is no drafter (none ships for {target.name!r}): "
@@ -71,15 +72,86 @@ def cmd_serve(args) -> int:
         max_len=args.max_len,
         threshold=args.confidence_threshold,
     )
-    config = ServeConfig(model_name=target.name, api_key=args.api_key, request_timeout=args.request_timeout)
+    config = ServeConfig(
+        model_name=args.served_model_name or served_name(target.name),
+        api_key=api_key,
+        request_timeout=args.request_timeout,
+        allowed_hosts=LOOPBACK_HOSTS if _is_loopback(args.host) else None,
+    )
     mode = "plain" if verify == "plain" else f"{'lookup' if drafter is None else 'drafter'}, verify {verify}"
     log(
         f"serve: {target.name} ({mode}) on http://{args.host}:{args.port}/v1, {args.max_batch} slots of "
         f"{engine.max_len} positions, queue {args.max_queue}"
     )
+    # a request without a seed draws one from torch's global generator (decode/step.py make_generator):
+    # seeded from the OS here, so each server process answers such requests with fresh randomness
+    torch.seed()
     make_server(engine, target, config, host=args.host, port=args.port, log_level=args.log_level).run()
     log("serve: stopped")
     return 0
+
+
+MIN_MAX_LEN = 3  # one prompt token, one answer token, and the position past it
+
+
+def check_serve_args(args) -> None:
+    """Every number serve takes, checked before the model loads."""
+    require_at_least(args, 1, "max_batch", "port", "block_size")
+    require_at_least(args, MIN_MAX_LEN, "max_len")
+    require_at_least(args, 0, "max_queue")
+    if args.port > 65535:
+        raise DominoError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_len is not None and args.block_size is not None and args.max_len < args.block_size + MIN_MAX_LEN:
+        raise DominoError(
+            f"--max-len {args.max_len} leaves no room for a request: a cycle needs the prompt, the anchor and "
+            f"--block-size {args.block_size} draft positions ({args.block_size + MIN_MAX_LEN} at least)"
+        )
+    check_threshold(args.confidence_threshold)
+    if not args.request_timeout > 0:
+        raise DominoError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise DominoError("--served-model-name is empty")
+
+
+def api_key_from(args) -> str | None:
+    """--api-key, else $DOMINOSPEC_API_KEY; a key no client could send exactly is refused, naming its source."""
+    key, source = args.api_key, "--api-key"
+    if key is None:
+        key, source = os.environ.get("DOMINOSPEC_API_KEY"), "DOMINOSPEC_API_KEY"
+    if key is None:
+        return None
+    if not key:
+        raise DominoError(f"{source} is empty")
+    if key != key.strip():
+        raise DominoError(f"{source} has leading or trailing whitespace, which no client sends; remove it")
+    bad = [c for c in key if not (c.isascii() and c.isprintable()) or c.isspace()]
+    if bad:
+        raise DominoError(
+            f"{source} holds {bad[0]!r}: an HTTP Authorization header carries printable ASCII without spaces only"
+        )
+    return key
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind once and let go: a host that is not this machine's or a port in use is named before loading."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise DominoError(f"--host {host!r}: not an address this machine has ({exc})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as exc:
+            why = "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise DominoError(f"--host {host} --port {port}: cannot listen there ({why})") from None
+
+
+def served_name(target_name: str) -> str:
+    """The model id clients see: a local directory's base name (not the path), else the name given."""
+    path = Path(target_name)
+    return path.resolve().name if path.is_dir() else str(target_name)
 
 
 def _is_loopback(host: str) -> bool:
@@ -94,24 +166,24 @@ def add_parser(sub) -> None:
         "serve",
         help="serve the target over an OpenAI-compatible HTTP API",
         description="An OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; GET /v1/models, "
-        "/health, /metrics) on the batched engine, with speculative decoding. SIGTERM drains running "
-        "requests and exits 0.",
+        "/health, /metrics) on the batched engine, with speculative decoding, and a playground page at / "
+        "(open it in a browser). SIGTERM drains running requests and exits 0.",
     )
     add_target_args(p)
     p.add_argument(
         "--drafter",
         default=None,
-        help="drafter directory (default: the one shipped for the bundled target), lookup (prompt lookup "
-        "alone) or none (plain decoding)",
+        help=f"lookup (prompt lookup alone, no trained drafter; the default, as for `generate`), shipped (the "
+        f"drafter shipped for the bundled target), a drafter directory, or none (plain decoding) (default "
+        f"{DEFAULT_DRAFTER})",
     )
     p.add_argument(
         "--verify",
         default=None,
-        choices=("plain", "fixed", "static", "cost"),
-        help="verify-length policy over the batch: plain (no drafting), fixed (every draft), static "
-        "(confidence threshold), cost (DSpark's scheduler over the batch: drafts only while it pays, verifies "
-        "what the measured cost of a forward pays for; the device's cost table is measured on first use) "
-        "(default: cost with a drafter or lookup, plain without: under load it measured best, docs/engine.md)",
+        choices=tuple(VERIFY_MODES),
+        help="the verify-length policy over the batch. "
+        + verify_mode_help()
+        + f" (default: {DEFAULT_VERIFY} with a drafter or lookup, plain without)",
     )
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per cycle (default: the drafter's)")
     p.add_argument(
@@ -132,10 +204,15 @@ def add_parser(sub) -> None:
         "--max-len", type=int, default=None, help="positions per slot, prompt + answer (default: the engine's)"
     )
     p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send and see (default: the target directory's base name, or its alias/hub id)",
+    )
+    p.add_argument(
         "--api-key",
-        default=os.environ.get("DOMINOSPEC_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: $DOMINOSPEC_API_KEY, "
-        "else no key)",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health and the playground's static "
+        "files (the page asks for the key) (default: $DOMINOSPEC_API_KEY, else no key)",
     )
     p.add_argument(
         "--request-timeout",

@@ -7,6 +7,9 @@ Two per-cycle lists carry different facts:
                  then cut at EOS / max-new-tokens). tau is computed from it.
   verified[i]  = drafts the target checked in cycle i (its forward covered verified[i] + 1 tokens);
                  verified - accepted of them were wasted.
+and one per-token list:
+  sources[j]   = where new token j came from: "drafter" (an accepted drafter draft), "lookup" (an
+                 accepted prompt-lookup copy) or "target" (the target's own token, one per cycle).
 """
 
 from __future__ import annotations
@@ -14,11 +17,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+SOURCES = ("drafter", "lookup", "target")
+
 
 def tokens_per_cycle(committed: Sequence[int]) -> float:
-    """tau: tokens committed per cycle, bonus included. A run without draft cycles commits one
-    token per target step, so its tau is 1.0."""
+    """tau, the one definition: tokens committed per cycle (accepted drafts + the target's own token, cut
+    at EOS and the budget). A run without draft cycles commits one token per target step: tau 1.0."""
     return sum(committed) / len(committed) if committed else 1.0
+
+
+def expected_tokens(acceptance: Sequence[float], b: int) -> float:
+    """The tau to expect for b drafts: 1 + sum_k prod_{i<=k} p_i, with p_i the conditional acceptance at
+    position i (before any EOS or budget cut)."""
+    tau, survive = 1.0, 1.0
+    for p in list(acceptance)[:b]:
+        survive *= p
+        tau += survive
+    return tau
 
 
 @dataclass
@@ -30,6 +45,7 @@ class GenerationResult:
     accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per new token: one of SOURCES
     lookup_cycles: int = 0  # cycles whose drafts were copied by prompt lookup
     draft_skipped: int = 0  # cycles run as a plain decode step because drafting did not pay (cost policy)
     draft_s: float = 0.0

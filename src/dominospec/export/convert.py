@@ -7,6 +7,7 @@ checked against contracts.py before anything is written, and written whole or no
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import torch
 from ..drafter import Drafter
 from ..drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from ..errors import DominoError
+from ..io import ensure_writable_dir, read_json
 from ..targets import BUNDLED_ALIASES
 from ..targets.load import bundled_model_dir
 from ..version import __version__
@@ -315,6 +317,54 @@ def serve_command(plan: Plan, out: Path, target, block_size: int) -> str | None:
     return None
 
 
+def special_ids(target) -> dict[int, str]:
+    """Special ids the target reads or writes in every chat -> a name: EOS (end of turn included), pad, BOS,
+    and the special tokens its chat template writes around a message."""
+    out: dict[int, str] = {}
+    tok = getattr(target, "tokenizer", None)
+    if tok is not None and getattr(tok, "chat_template", None):
+        special = {int(i) for i in getattr(tok, "all_special_ids", [])}
+        special |= {int(i) for i, t in (getattr(tok, "added_tokens_decoder", None) or {}).items() if t.special}
+        try:
+            written = target.encode_chat([{"role": "user", "content": "x"}])
+        except Exception:  # a template that needs more than one message: the named ids below still count
+            written = []
+        for i in written:
+            if i in special:
+                out[i] = f"{tok.convert_ids_to_tokens(i)!r} (written by its chat template)"
+    cfg = target.model.config
+    for i in target.eos_ids:
+        out[int(i)] = "EOS"
+    for label, i in (("pad", target.pad_id), ("BOS", getattr(cfg, "bos_token_id", None))):
+        if isinstance(i, int):
+            out.setdefault(i, label)
+    return out
+
+
+def check_mask_row(plan: Plan, target, allow_approx: bool) -> None:
+    """SGLang writes a learned mask vector into row mask_token_id of the target's embedding table.
+
+    That row must not be a special token's (EOS, end of turn, pad, ...: the target reads them in every
+    chat). On a target with tied embeddings the table is also the LM head, so the written row changes the
+    target's logit for that token at every position: refused unless --allow-approx, and reported."""
+    if not plan.mask_file:
+        return
+    mask, specials = plan.mask_token_id, special_ids(target)
+    if mask in specials:
+        raise DominoError(
+            f"--mask-token-id {mask} is the target's special token {specials[mask]}: SGLang writes the mask vector "
+            f"into that row of the target's embedding table; choose an unused, non-special id"
+        )
+    if getattr(target.model.config, "tie_word_embeddings", False):
+        why = (
+            f"the target ties its embeddings to its LM head, so the mask vector SGLang writes into row {mask} also "
+            f"changes the target's own logit for token {mask} at every position (it may then draft and accept it)"
+        )
+        if not allow_approx:
+            raise DominoError(f"--to sglang with a learned mask vector: {why}; pass --allow-approx to write it anyway")
+        plan.approximations.append(why)
+
+
 def check_against_contract(tensors: dict[str, torch.Tensor], expected: dict, dtype: torch.dtype) -> None:
     """The export holds exactly the contract's tensors, with its shapes and dtypes, all finite."""
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -337,15 +387,89 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, MASK_FILE, REPORT_FILE)  # every name an export may write
+
+
+def check_out(out: str | os.PathLike, source: str | os.PathLike | None = None) -> Path:
+    """Refuse an --out that an export must not write into, before any model loads; returns it absolute.
+
+    Refused: the source drafter itself or a folder holding it, the current directory or one holding it,
+    a file, a non-empty folder that holds no earlier export, and a folder (or its parent, where the
+    temporary directory goes) that cannot be written.
+    """
+    out = Path(os.path.abspath(out))
+    guarded = [(Path.cwd().resolve(), "the current directory")]
+    if source is not None:
+        guarded.insert(0, (Path(source).resolve(), f"the source drafter {source}"))
+    real = out.resolve()
+    for place, what in guarded:
+        if real == place or real in place.parents:
+            why = "is" if real == place else "holds"
+            raise DominoError(f"--out {out} {why} {what}; an export goes into a folder of its own")
+    if out.exists() and not out.is_dir():
+        raise DominoError(f"--out {out} exists and is not a directory")
+    replaceable(out)  # refuses a folder that holds files no earlier export wrote
+    ensure_writable_dir(out.parent, "--out's parent folder")  # the temporary directory goes there
+    if out.exists():  # (a new --out is renamed into place whole, so it is not made here)
+        ensure_writable_dir(out, "--out")
+    return out
+
+
+def replaceable(out: Path) -> set[str]:
+    """The files in `out` an earlier export wrote (listed in its report), which a new export may replace.
+
+    A folder with files of its own that would collide with the export's names, or with anything at all
+    and no report, is refused: an export never removes what it did not write.
+    """
+    if not out.is_dir():
+        return set()
+    present = {p.name for p in out.iterdir()}
+    if not present:
+        return set()
+    if REPORT_FILE not in present:
+        raise DominoError(
+            f"--out {out} is a non-empty directory that holds no earlier export ({REPORT_FILE}); choose another"
+        )
+    report = read_json(out / REPORT_FILE, "an earlier export's report")
+    listed = report.get("files") if isinstance(report, dict) else None
+    if not isinstance(listed, list):
+        raise DominoError(f"{out / REPORT_FILE} lists no files; it was not written by dominospec export")
+    ours = {n for n in listed if isinstance(n, str) and n in EXPORT_FILES} & present
+    foreign = sorted((present - ours) & set(EXPORT_FILES))
+    if foreign:
+        raise DominoError(
+            f"--out {out} holds {', '.join(foreign)}, which the earlier export there did not write; "
+            "an export replaces only its own files: choose another --out"
+        )
+    return ours
+
+
+def _move(src: Path, dst: Path) -> None:
+    """Rename `src` onto `dst` (atomic); across file systems, copy beside `dst` first, then rename."""
+    try:
+        os.replace(src, dst)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        part = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+        shutil.copyfile(src, part)
+        os.replace(part, dst)
+        src.unlink()
+
+
 def _place(tmp: Path, out: Path) -> None:
-    """Move the finished export into `out`, replacing only an empty directory or an earlier export."""
-    if out.exists():
-        if not out.is_dir():
-            raise DominoError(f"--out {out} exists and is not a directory")
-        if any(out.iterdir()) and not (out / REPORT_FILE).exists():
-            raise DominoError(f"--out {out} is a non-empty directory that holds no earlier export; choose another")
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    """Move the finished export into `out`: a new folder is renamed into place whole; in an existing one
+    only the files an earlier export wrote are replaced (or removed, when this export does not write
+    them), the report last, and everything else there is left as it was."""
+    old = replaceable(out)
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    new = sorted(p.name for p in tmp.iterdir())
+    for name in [n for n in new if n != REPORT_FILE] + [REPORT_FILE]:
+        _move(tmp / name, out / name)
+    for name in sorted(old - set(new)):
+        (out / name).unlink(missing_ok=True)
 
 
 def export_drafter(
@@ -366,6 +490,7 @@ def export_drafter(
     c = drafter.config
     plan = plan_export(c, fmt, mask_token_id, allow_approx)
     drafter.check_fits(target)
+    check_mask_row(plan, target, allow_approx)
     if dtype is not None and dtype not in DTYPES:
         raise DominoError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if dtype is None:  # SGLang runs Domino in bf16 only; otherwise keep the drafter's own precision
@@ -373,7 +498,7 @@ def export_drafter(
         torch_dtype = torch_dtype if torch_dtype in DTYPE_NAMES else torch.float32
     else:
         torch_dtype = DTYPES[dtype]
-    out = Path(out)
+    out = check_out(out, source)
     with torch.no_grad():
         named = backbone_tensors(drafter)
         if plan.kind == "domino":
@@ -419,8 +544,7 @@ def export_drafter(
         }
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # beside out, never inside it
     umask = os.umask(0)
     os.umask(umask)
     try:

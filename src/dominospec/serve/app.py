@@ -8,19 +8,25 @@ finishes, hits a stop string, runs past the time limit, or its client goes away;
 the slot at its next step.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health,
-GET /metrics. Every error has OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+GET /metrics, and the playground: GET / and its files under /playground/ (static, no data: they need
+no API key, while every call the page makes does). Every error has OpenAI's body:
+{"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
+import importlib.resources
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,12 +37,23 @@ from ..errors import DominoError
 from ..log import log
 from ..sampling import SamplingConfig
 from ..targets.context import MIN_ANSWER_TOKENS
+from .marks import marked_pieces, spec_metrics
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
 from .text import TextStream
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
-ROUTES = (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics")
+ROUTES = (*GENERATION_ROUTES, "/v1/models", "/health", "/metrics", "/")
+PLAYGROUND = importlib.resources.files(__package__) / "playground"
+# the playground's files, by name: what the page loads, all from this server
+PLAYGROUND_FILES = {"index.html": "text/html", "playground.js": "text/javascript", "playground.css": "text/css"}
+# the page may load and call nothing but this server
+PLAYGROUND_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -47,6 +64,13 @@ class ServeConfig:
     request_timeout: float = 600.0  # seconds from arrival to the last token, queueing included
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1  # the Retry-After of a 429 (queue full) or 503 (draining)
+    # Host names answered (None: any). A loopback-bound server answers only loopback names, so a web
+    # page that rebinds its own DNS name to 127.0.0.1 cannot read its answers.
+    allowed_hosts: tuple[str, ...] | None = None
+    body_timeout_s: float = 30.0  # a client that sends its body slower than this is cut off (408)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class Gate:
@@ -62,13 +86,21 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
     gate = gate or Gate()
     metrics = ServerMetrics(engine, gate)
     context = request_context(engine, target)
+    token_chars = getattr(target, "max_token_chars", None) if getattr(target, "tokenizer", None) else None
     created = int(time.time())
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="dominospec-tokenize")
+
+    async def tokenize(encode, *args, **kwargs) -> list[int]:
+        """Tokenizing (and templating) a long prompt takes seconds: off the event loop, one at a time."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(tokenizer_thread, functools.partial(encode, *args, **kwargs))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start()
         yield
         await asyncio.to_thread(engine.shutdown, True, config.request_timeout)
+        tokenizer_thread.shutdown(wait=False)
 
     app = FastAPI(title="dominospec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.gate, app.state.metrics, app.state.engine = gate, metrics, engine
@@ -106,6 +138,16 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         check_model(model_id, config.model_name)
         return model_card()
 
+    @app.get("/")
+    async def playground():
+        return playground_file("index.html")
+
+    @app.get("/playground/{name}")
+    async def playground_asset(name: str):
+        if name not in PLAYGROUND_FILES:
+            raise APIError(404, f"the playground has no file {name!r}", type="not_found_error")
+        return playground_file(name)
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -116,10 +158,14 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         req = parse_body(ChatCompletionRequest, await request.body())
         check_model(req.model, config.model_name)
         conversation = req.conversation()
+        chars = sum(len(m["content"]) for m in conversation)
+        check_chars(chars, req.token_budget(), context, token_chars, "messages")
         kwargs = dict(req.chat_template_kwargs or {})
         thinking = kwargs.pop("enable_thinking", False)
         try:
-            prompt_ids = target.encode_chat(conversation, enable_thinking=bool(thinking), template_kwargs=kwargs)
+            prompt_ids = await tokenize(
+                target.encode_chat, conversation, enable_thinking=bool(thinking), template_kwargs=kwargs
+            )
         except DominoError as exc:
             raise APIError(400, str(exc)) from None
         except Exception as exc:  # the template is the model's own Jinja code; its refusals are the caller's
@@ -137,8 +183,9 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
                 raise APIError(400, f"prompt holds {len(prompt)} prompts; this server takes one", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            check_chars(len(prompt), req.token_budget(), context, token_chars, "prompt")
             try:
-                prompt_ids = target.encode_raw(prompt)
+                prompt_ids = await tokenize(target.encode_raw, prompt)
             except DominoError as exc:
                 raise APIError(400, str(exc)) from None
         else:
@@ -168,6 +215,8 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
             sampling=sampling,
             seed=req.seed,
             eos_ids=[] if req.ignore_eos else None,
+            marks=True,
+            speculative=req.speculative,
         )
         gen = Generation.submit(engine, ereq, gate, config, asyncio.get_running_loop())
         metrics.prompt_tokens.inc(len(prompt_ids))
@@ -176,24 +225,59 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         shape = ResponseShape(kind, rid, int(time.time()), config.model_name)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = stream_events(gen, text, shape, len(prompt_ids), include_usage, metrics, arrived)
+            body = stream_events(gen, text, shape, len(prompt_ids), include_usage, metrics, arrived, req.spec_metrics)
             return EventStream(body, gen)
         parts = []
         async for delta in gen.text(text, metrics, arrived, gone=request.is_disconnected):
             parts.append(delta)
         if gen.outcome == "disconnected":
             return Response(status_code=499)  # nobody is listening; the status is for the logs and metrics
-        return JSONResponse(shape.whole("".join(parts), gen.outcome, usage(len(prompt_ids), text.tokens)))
+        answer = "".join(parts)
+        counts = usage(len(prompt_ids), text.tokens)
+        if not req.spec_metrics:
+            return JSONResponse(shape.whole(answer, gen.outcome, counts))
+        marks = marked_pieces(text.pieces(0, len(answer)), gen.sources)
+        counts["spec_metrics"] = gen.spec_metrics(text.tokens)
+        return JSONResponse(shape.whole(answer, gen.outcome, counts, marks))
 
     return app
 
 
+def playground_file(name: str) -> Response:
+    body = (PLAYGROUND / name).read_bytes()
+    return Response(body, media_type=f"{PLAYGROUND_FILES[name]}; charset=utf-8", headers=PLAYGROUND_HEADERS)
+
+
 def request_context(engine, target) -> int | None:
-    """Positions one request may fill with prompt and answer: the engine's slot, less the room a
-    speculative cycle needs past the last token (the engine refuses requests that would not fit)."""
-    if getattr(engine, "max_len", None) is None:
-        return target.max_positions
-    return int(engine.max_len) - int(getattr(engine, "block_size", 0) or 0) - 1
+    """Positions one request may fill with prompt and answer: the engine's `context` (its slot, less the
+    room a speculative step needs past the last token; the engine refuses requests that would not fit)."""
+    context = getattr(engine, "context", None)
+    return target.max_positions if context is None else int(context)
+
+
+def check_chars(chars: int, asked: int | None, context: int | None, token_chars: int | None, param: str) -> None:
+    """Refuse, before tokenizing it, a prompt whose character count alone cannot fit the context: no
+    token covers more than `token_chars` characters (targets/context.py)."""
+    if context is None or not token_chars:
+        return
+    if asked is not None and asked >= context:
+        raise APIError(
+            400,
+            f"this server's context is {context} tokens per request, but max_tokens asks for {asked} (and the "
+            "prompt needs at least one): lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    room = context - (asked if asked is not None else MIN_ANSWER_TOKENS)
+    if chars > room * token_chars:
+        raise APIError(
+            400,
+            f"the prompt has {chars} characters; this server's context of {context} tokens per request leaves "
+            f"{room} tokens for it, at most {room * token_chars} characters (no token covers more than "
+            f"{token_chars})",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_model(name: str | None, served: str) -> None:
@@ -258,11 +342,13 @@ class Generation:
         self.outcome: str | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.sources: list[str] = []  # per token received: where it came from
+        self.verified: list[int] = []  # per cycle received: drafts the target checked
 
     @classmethod
     def submit(cls, engine, ereq: EngineRequest, gate: Gate, config: ServeConfig, loop) -> Generation:
         gen = cls(loop, gate)
-        ereq.on_tokens = gen._post
+        ereq.on_tokens = lambda tokens, sources, verified: gen._post((tokens, sources, verified))
         ereq.on_finish = gen._post
         try:
             gen.handle = engine.submit(ereq)
@@ -344,12 +430,15 @@ class Generation:
                         yield tail
                     self.outcome = item.finish_reason
                     return
+                tokens, sources, verified = item
+                self.sources.extend(sources)
+                self.verified.append(verified)
                 now = time.monotonic()
-                if self.first_token_at is None and item:
+                if self.first_token_at is None and tokens:
                     self.first_token_at = now
                     metrics.ttft.observe(now - arrived)
                 self.last_token_at = now
-                delta = "".join(stream.add(t) for t in item)
+                delta = "".join(stream.add(t) for t in tokens)
                 if delta:
                     yield delta
                 if stream.stopped:
@@ -365,6 +454,10 @@ class Generation:
             if self.first_token_at is not None and stream.tokens > 1:
                 metrics.tpot.observe((self.last_token_at - self.first_token_at) / (stream.tokens - 1))
             metrics.latency.observe(time.monotonic() - arrived)
+
+    def spec_metrics(self, answer_tokens: int) -> dict:
+        """usage.spec_metrics of the answer's first answer_tokens tokens."""
+        return spec_metrics(self.sources[:answer_tokens], self.verified)
 
     def _check_end(self, result: RequestResult) -> None:
         if self.timed_out:
@@ -390,7 +483,8 @@ class ResponseShape:
     def _envelope(self, obj: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def whole(self, text: str, finish_reason: str, usage: dict, marks: list | None = None) -> dict:
+        """marks: the spec_tokens extension ([text, source] pieces), only when the request asked for it."""
         if self.kind == "chat":
             choice = {
                 "index": 0,
@@ -398,21 +492,36 @@ class ResponseShape:
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
-            return self._envelope("chat.completion", [choice], usage=usage)
+            return self._envelope("chat.completion", [_marked(choice, marks)], usage=usage)
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice], usage=usage)
+        return self._envelope("text_completion", [_marked(choice, marks)], usage=usage)
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        marks: list | None = None,
+        progress: dict | None = None,
+    ) -> dict:
+        """marks, progress: the spec_metrics extension's spec_tokens and spec_progress, when asked for."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return self._envelope("text_completion", [choice])
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = _marked(choice, marks)
+        if progress is not None:
+            choice["spec_progress"] = progress
+        return self._envelope("chat.completion.chunk" if self.kind == "chat" else "text_completion", [choice])
 
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         return self._envelope(obj, [], usage=usage)
+
+
+def _marked(choice: dict, marks: list | None) -> dict:
+    return choice if marks is None else {**choice, "spec_tokens": marks}
 
 
 def sse(payload: dict | str) -> str:
@@ -427,8 +536,11 @@ async def stream_events(
     include_usage: bool,
     metrics: ServerMetrics,
     arrived: float,
+    with_marks: bool = False,
 ) -> AsyncIterator[str]:
     """Server-sent events: a role chunk (chat), text chunks, the finish chunk, usage if asked, [DONE].
+    with_marks (the spec_metrics extension): each text chunk carries its spec_tokens, and the usage
+    chunk, always sent then, usage.spec_metrics.
 
     Starlette cancels this generator when the client disconnects; leaving `gen.text` then cancels
     the engine request. An error after the first byte is sent as an error event, as OpenAI does.
@@ -437,11 +549,20 @@ async def stream_events(
     try:
         if shape.kind == "chat":
             yield sse(shape.chunk(None, role=True))
+        sent = 0  # characters of the answer already sent
         async for delta in pieces:
-            yield sse(shape.chunk(delta))
+            marks = progress = None
+            if with_marks:
+                marks = marked_pieces(text.pieces(sent, sent + len(delta)), gen.sources)
+                progress = {"cycles": len(gen.verified), "drafted": sum(gen.verified)}
+            sent += len(delta)
+            yield sse(shape.chunk(delta, marks=marks, progress=progress))
         yield sse(shape.chunk(None, finish_reason=gen.outcome))
-        if include_usage:
-            yield sse(shape.usage_chunk(usage(prompt_tokens, text.tokens)))
+        if include_usage or with_marks:
+            counts = usage(prompt_tokens, text.tokens)
+            if with_marks:
+                counts["spec_metrics"] = gen.spec_metrics(text.tokens)
+            yield sse(shape.usage_chunk(counts))
     except APIError as exc:
         yield sse(exc.body())
     finally:
@@ -464,6 +585,11 @@ class EventStream(StreamingResponse):
         finally:
             self.generation.cancel()
             await self.body_iterator.aclose()
+
+
+def _public(path: str) -> bool:
+    """Routes open without the API key: the health check and the playground's static files."""
+    return path in ("/health", "/") or path.startswith("/playground/")
 
 
 class Gatekeeper:
@@ -491,17 +617,35 @@ class Gatekeeper:
             self.metrics.requests.labels(route, str(status)).inc()
 
     async def _checked(self, scope, receive, send):
-        if self.config.api_key is not None and scope["path"] != "/health" and not self._authorized(scope):
+        headers = dict(scope["headers"])
+        refusal = self._foreign(headers)
+        if refusal is not None:
+            return await self._refuse(scope, receive, send, 403, refusal, "forbidden_origin")
+        if self.config.api_key is not None and not _public(scope["path"]) and not self._authorized(scope):
             return await self._refuse(scope, receive, send, 401, "invalid or missing API key", "invalid_api_key")
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
+        kind = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if kind != "application/json":
+            return await self._refuse(
+                scope,
+                receive,
+                send,
+                415,
+                f"the body must be JSON sent as Content-Type: application/json (got {kind or 'none'!r})",
+                "unsupported_media_type",
+            )
         limit = self.config.max_body_bytes
-        declared = dict(scope["headers"]).get(b"content-length")
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(scope, receive, send, 413, f"the body exceeds {limit} bytes", "body_too_large")
         chunks, size = [], 0
         while True:  # read it whole here, so a body without Content-Length is bounded too
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
+            except asyncio.TimeoutError:
+                msg = f"the body did not arrive within {self.config.body_timeout_s:g} s"
+                return await self._refuse(scope, receive, send, 408, msg, "body_timeout")
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
@@ -523,14 +667,40 @@ class Gatekeeper:
 
         await self.app(scope, replay, send)
 
+    def _foreign(self, headers: dict) -> str | None:
+        """Why a request from a web page on another site (or a rebound DNS name) is refused; None if it is not.
+
+        Browsers send Origin on cross-site requests; API clients send none. An Origin is accepted when it
+        names the host the request was sent to, or (on a loopback server) a loopback name."""
+        host = _hostname(headers.get(b"host", b"").decode("latin-1"))
+        allowed = self.config.allowed_hosts
+        if allowed is not None and host not in allowed:
+            return f"Host {host!r} is not this server's; a server bound to loopback answers {', '.join(allowed)}"
+        origin = headers.get(b"origin")
+        if origin is None:
+            return None
+        text = origin.decode("latin-1")
+        name = _hostname(urlparse(text).netloc) if "://" in text else None
+        if name == host or (allowed is not None and name in allowed):
+            return None
+        return f"requests from web pages on {text} are refused (Origin is not this server)"
+
     def _authorized(self, scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, key = header.partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.config.api_key.encode())
 
     async def _refuse(self, scope, receive, send, status: int, message: str, code: str):
-        kind = "authentication_error" if status == 401 else "invalid_request_error"
+        kind = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
         await JSONResponse(error_body(message, kind, code=code), status_code=status, headers=headers)(
             scope, receive, send
         )
+
+
+def _hostname(netloc: str) -> str:
+    """`host[:port]` or `[v6]:port` -> the host name, lower case, without brackets or port."""
+    netloc = netloc.strip().lower()
+    if netloc.startswith("["):
+        return netloc[1 : netloc.find("]")] if "]" in netloc else netloc
+    return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc

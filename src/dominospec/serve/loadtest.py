@@ -55,10 +55,13 @@ class LoadTestConfig:
 class RequestRecord:
     ok: bool
     error: str | None = None  # the kind: http_429, http_500, timeout, connection, ...
+    detail: str | None = None  # what the server said (its error message), for the report
     ttft_s: float | None = None
     tpot_s: float | None = None
     tokens: int = 0
     retries: int = 0
+    started_s: float | None = None  # seconds since the test began (the last attempt)
+    latency_s: float | None = None  # start to the end of the stream
 
 
 @dataclass
@@ -75,6 +78,9 @@ class LoadTestReport:
     retried_429: int
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds since start, MB)
     faults: dict = field(default_factory=dict)
+    first_errors: dict[str, str] = field(default_factory=dict)  # error kind -> the first one's message
+    # per finished request, in start order: [started s, TTFT ms, latency ms, tokens] (for plots over time)
+    timeline: list[list] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -92,6 +98,8 @@ class LoadTestReport:
             f"  errors          {sum(self.errors.values())} {dict(self.errors) if self.errors else ''}".rstrip(),
             f"  retried 429     {self.retried_429}",
         ]
+        for kind, message in self.first_errors.items():
+            lines.append(f"  first {kind:<10} {message}")
         if rss:
             lines.append(
                 f"  server RSS MB   start {rss[0]:.1f}, max {max(rss):.1f}, end {rss[-1]:.1f} ({len(rss)} samples)"
@@ -194,6 +202,11 @@ class LoadTest:
             retried_429=sum(r.retries for r in self.records),
             rss_mb=self.rss,
             faults=self.faults,
+            first_errors=first_errors(self.records),
+            timeline=[
+                [round(r.started_s, 3), _ms(r.ttft_s), _ms(r.latency_s), r.tokens]
+                for r in sorted(ok, key=lambda r: r.started_s)
+            ],
         )
 
     async def _model(self) -> str:
@@ -249,16 +262,25 @@ class LoadTest:
                 await asyncio.sleep(_retry_after(exc.response))
                 continue
             except openai.APIStatusError as exc:
-                return RequestRecord(False, f"http_{exc.status_code}", retries=retries)
-            except openai.APITimeoutError:
-                return RequestRecord(False, "timeout", retries=retries)
-            except openai.APIConnectionError:
-                return RequestRecord(False, "connection", retries=retries)
+                return RequestRecord(False, f"http_{exc.status_code}", _said(exc), retries=retries)
+            except openai.APITimeoutError as exc:
+                return RequestRecord(False, "timeout", str(exc), retries=retries)
+            except openai.APIConnectionError as exc:
+                return RequestRecord(False, "connection", str(exc), retries=retries)
             except openai.APIError as exc:  # an error event inside the stream
-                return RequestRecord(False, f"stream_{getattr(exc, 'code', None) or 'error'}", retries=retries)
+                kind = f"stream_{getattr(exc, 'code', None) or 'error'}"
+                return RequestRecord(False, kind, _said(exc), retries=retries)
             tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
             ttft = None if first is None else first - start
-            return RequestRecord(True, ttft_s=ttft, tpot_s=tpot, tokens=tokens, retries=retries)
+            return RequestRecord(
+                True,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                tokens=tokens,
+                retries=retries,
+                started_s=start - self.t0,
+                latency_s=time.monotonic() - start,
+            )
 
     async def _sample_rss(self) -> None:
         while True:
@@ -347,6 +369,72 @@ class LoadTest:
 
         await asyncio.gather(*(one() for _ in range(size + 16)))
         return dict(outcome)
+
+
+def _said(exc: openai.APIError) -> str:
+    """The server's own error message (OpenAI's body), else the client's."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+    return str(exc)
+
+
+def first_errors(records: list[RequestRecord]) -> dict[str, str]:
+    """The first failure of each kind, with what was said about it: why requests failed, not just how many."""
+    out: dict[str, str] = {}
+    for r in records:
+        if not r.ok and r.error not in out:
+            out[r.error] = r.detail or ""
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
+
+
+def write_loadtest(report: LoadTestReport, out, plots: bool = True) -> list:
+    """DIR/loadtest.json (the report with its timeline) and, with matplotlib, loadtest.png: the server's
+    RSS and each request's TTFT and latency over the run. The paths written."""
+    from pathlib import Path
+
+    from ..io import write_json_atomic
+
+    out = Path(out)
+    written = [out / "loadtest.json"]
+    write_json_atomic(written[0], report.to_dict(), indent=2)
+    if plots and plot_loadtest(report, out / "loadtest.png"):
+        written.append(out / "loadtest.png")
+    return written
+
+
+def plot_loadtest(report: LoadTestReport, path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (rss, lat) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    if report.rss_mb:
+        rss.plot([t for t, _ in report.rss_mb], [mb for _, mb in report.rss_mb], color="C0")
+    rss.set_ylabel("server RSS (MB)")
+    rss.set_title(f"{report.concurrency} clients, {report.requests} requests, {report.tokens_per_s:.1f} tok/s")
+    rows = [r for r in report.timeline if r[2] is not None]
+    lat.scatter([r[0] for r in rows], [r[2] / 1000 for r in rows], s=6, color="C1", label="request latency")
+    rows = [r for r in report.timeline if r[1] is not None]
+    lat.scatter([r[0] for r in rows], [r[1] / 1000 for r in rows], s=6, color="C2", label="TTFT")
+    lat.set_ylabel("seconds")
+    lat.set_xlabel("request start (s since the test began)")
+    lat.legend()
+    for ax in (rss, lat):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _json(obj) -> bytes:

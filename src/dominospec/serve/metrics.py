@@ -7,7 +7,7 @@ active rows, tau, acceptance by position) is read from `Engine.stats()` when /me
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "dominospec"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -38,6 +38,12 @@ class EngineCollector:
         for pos, rate in enumerate(stats.get("accept_by_position") or [], start=1):
             accept.add_metric([str(pos)], float(rate))
         yield accept
+        # running totals: their rates over a window give the verify budget per request-cycle lately
+        for name, key, doc in (
+            ("spec_cycles", "cycles", "speculative cycles run, one per request row per engine step"),
+            ("drafts_verified", "drafts_verified", "drafts the target checked, over all cycles"),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(stats.get(key) or 0))
         yield GaugeMetricFamily(f"{PREFIX}_http_in_flight", "generation requests being served", value=self.gate.active)
         yield GaugeMetricFamily(f"{PREFIX}_draining", "1 after SIGTERM, until exit", value=float(self.gate.draining))
 

@@ -12,7 +12,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 512  # the longest stop string: what a stream holds back while a stop may be forming
 MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 
 class APIError(Exception):
@@ -51,7 +53,7 @@ class _Sampling(_Strict):
     """What both endpoints share: sampling, length, stop strings, streaming."""
 
     model: str | None = None  # None: the served model
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)  # an extension (vLLM has it too)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -60,6 +62,8 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # an extension: generate max_tokens even past EOS (load tests)
+    spec_metrics: bool = False  # an extension: usage.spec_metrics and per-token sources (serve/marks.py)
+    speculative: bool = True  # an extension: false decodes this request plainly (no drafts), in any batch
     # defined by OpenAI, implemented here only at their neutral value (checked by refuse_unsupported)
     n: int | None = 1
     logprobs: Any = None
@@ -74,6 +78,11 @@ class _Sampling(_Strict):
             raise APIError(400, f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
         if any(not s for s in stops):
             raise APIError(400, "stop strings must not be empty", param="stop")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise APIError(
+                400, f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed", param="stop"
+            )
         return stops
 
 

@@ -13,6 +13,7 @@ import socket
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..log import log
 from .app import Gate, ServeConfig, create_app
@@ -43,6 +44,38 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+HEAD_TIMEOUT_S = 10.0  # seconds a client may take to send a request's line and headers
+
+
+class HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a limit on sending a request head: a client that opens a connection
+    (or sends part of its headers) and stalls is disconnected, not held forever. (uvicorn's keep-alive
+    timer stops at the first byte of a head.) The body's own limit is the app's (ServeConfig.body_timeout_s)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()
+        waiting_after = self.cycle  # a new head makes a new cycle
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out, waiting_after)
+
+    def _head_timed_out(self, waiting_after) -> None:
+        if self.cycle is waiting_after and not self.transport.is_closing():
+            self.transport.close()
+
+
 def make_server(
     engine,
     target,
@@ -62,6 +95,7 @@ def make_server(
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="on",
+        http=HeadTimeoutProtocol,
     )
     return DrainingServer(uv_config, gate, drain_timeout=config.request_timeout)
 

@@ -77,24 +77,26 @@ def _as_tuple(n) -> tuple:
     return n if isinstance(n, tuple) else (n,)
 
 
-def training_subset(samples: list[dict], labels: str, n, where: str, held_out: int) -> list[dict]:
+def training_subset(samples: list[dict], labels: str, n, where: str, held_out: int, asked: str = "") -> list[dict]:
     """The training samples of one labels kind (`all`, `on-policy`, `off-policy`), the first `n` in data set
     order: the points of a scaling curve are prefixes of one another, judged on the same held-out set.
-    n = (N, M): the first N on-policy and the first M off-policy samples, in data set order (a mix)."""
+    n = (N, M): the first N on-policy and the first M off-policy samples, in data set order (a mix).
+    asked: the flag the user gave, for the messages (default: --train-labels / --train-samples N)."""
     if isinstance(n, tuple):
-        on = training_subset(samples, "on-policy", n[0], where, held_out)
-        off = training_subset(samples, "off-policy", n[1], where, held_out)
+        flag = f"--train-samples {n[0]},{n[1]}"
+        on = training_subset(samples, "on-policy", n[0], where, held_out, f"{flag} (its on-policy count)")
+        off = training_subset(samples, "off-policy", n[1], where, held_out, f"{flag} (its off-policy count)")
         chosen = {id(s) for s in on + off}
         return [s for s in samples if id(s) in chosen]
     if labels != "all":
         on = labels == "on-policy"
         samples = [s for s in samples if (s.get("labels", "on-policy") == "on-policy") == on]
         if not samples:
-            raise DominoError(f"--train-labels {labels}: {where} holds no such training sample")
+            raise DominoError(f"{asked or f'--train-labels {labels}'}: {where} holds no {labels} training sample")
     if n is not None:
         if n > len(samples):
             raise DominoError(
-                f"--train-samples {n}: {where} has only {len(samples)} training samples "
+                f"{asked or f'--train-samples {n}'}: {where} has only {len(samples)} training samples "
                 f"({labels}, after holding out {held_out} for validation)"
             )
         samples = samples[:n]

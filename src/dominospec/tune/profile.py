@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ..decode.result import expected_tokens
+from ..decode.rollout import draft_block
+from ..decode.schedule import profile_drafter_label
 from ..devices import cpu_model, describe_device, synchronize
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..drafter.model import DraftCache
@@ -26,7 +29,6 @@ from ..errors import DominoError
 from ..io import cache_dir, probabilities, read_json_object, write_json_atomic
 from ..log import log
 from ..sampling import SamplingConfig
-from .propose import draft_block
 
 
 @torch.inference_mode()
@@ -173,7 +175,7 @@ def profile_batch_cost(
     """SPS(B) for the engine: median seconds of one ragged forward with R rows of k new tokens each
     (B = R * k), R in `rows`, k = 1..max_k, every row after its own `context`-token prefix; and, with a
     drafter, one draft pass for R rows. Repeats are interleaved over (R, k)."""
-    from .propose import draft_rows
+    from ..decode.rollout import draft_rows
 
     gen = torch.Generator().manual_seed(seed)
     dev, V = target.device, target.vocab_size
@@ -248,16 +250,10 @@ def profile_device(
     if drafter is not None:
         table["draft"] = profile_draft_cost(target, drafter, min(usable), repeats, seed)
         table["draft"]["drafter"] = profile_drafter_label(drafter)
-    if batch_rows and getattr(target, "native", None) is not None:
+    if batch_rows and target.supports_rows:
         table["batch"] = profile_batch_cost(target, drafter, batch_rows, min(usable), min(max_k, 9), repeats, seed)
         table["batch"]["drafter"] = profile_drafter_label(drafter) if drafter is not None else None
     return table
-
-
-def profile_drafter_label(drafter) -> str:
-    """How a device profile names the drafter whose draft cost it measured."""
-    c = drafter.config
-    return c.target_name + f"/{c.head}-{c.num_layers}L"
 
 
 def save_profile(table: dict) -> Path:
@@ -357,7 +353,7 @@ def ensure_profile(
     batch = table.get("batch") or {}
     owner = batch.get("drafter", (table.get("draft") or {}).get("drafter"))  # older tables: the profile's drafter
     stale = not batch or (label is not None and owner != label)  # without a drafter any table's forwards do
-    if batch_rows and getattr(target, "native", None) is not None and stale:
+    if batch_rows and target.supports_rows and stale:
         report(
             f"measuring the engine's batched cost table for {list(batch_rows)} rows (a few seconds; "
             "`dominospec profile --batch-rows` measures the full one)"
@@ -367,15 +363,6 @@ def ensure_profile(
         table["batch"]["drafter"] = label
         save_profile(table)
     return table
-
-
-def expected_tokens(acceptance: Sequence[float], b: int) -> float:
-    """tau for b drafts: 1 + sum_k prod_{i<=k} p_i, with p_i the conditional acceptance at position i."""
-    tau, survive = 1.0, 1.0
-    for p in list(acceptance)[:b]:
-        survive *= p
-        tau += survive
-    return tau
 
 
 def best_block_size(profile: dict, acceptance: Sequence[float], max_b: int, context: int = 256) -> tuple[int, dict]:
@@ -426,5 +413,17 @@ def auto_block_size(target, drafter, context: int = 256) -> tuple[int, str]:
     acceptance = read_acceptance(acc_path)
     b, rates = best_block_size(profile, acceptance, own, context)
     shown = ", ".join(f"{k}: {v:.1f}" for k, v in sorted(rates.items()))
-    chosen = "plain decoding (no block size beats it here)" if b == 0 else str(b)
-    return b, f"--block-size auto chose {chosen}; expected tokens/s by block size (0 = plain): {shown}"
+    unmeasured = [k for k in range(1, own + 1) if k not in rates]
+    beats = "no measured block size beats it here" if unmeasured else "no block size beats it here"
+    chosen = f"plain decoding ({beats})" if b == 0 else str(b)
+    note = f"--block-size auto chose {chosen}; expected tokens/s by block size (0 = plain): {shown}"
+    if unmeasured:
+        note += (
+            f"; block sizes {_span(unmeasured)} were not considered (the device profile or the acceptance does not "
+            f"cover them: rerun `dominospec profile --max-k {own + 1}`)"
+        )
+    return b, note
+
+
+def _span(ks: list[int]) -> str:
+    return f"{ks[0]}..{ks[-1]}" if len(ks) > 1 and ks[-1] - ks[0] == len(ks) - 1 else ",".join(map(str, ks))
