@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..data.prompts import read_prompt_file
+from ..decode.cost import load_profile, profile_drafter_label
 from ..decode.schedule import VERIFY_MODES
 from ..devices import describe_device
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
@@ -34,7 +35,7 @@ from ..sampling import SamplingConfig
 from ..targets.context import cap_new_tokens, encode_if_fits
 from ..version import __version__
 from .methods import METHOD_GROUPS, Method, PromptLookupAlone, Speculative
-from .metrics import REFERENCE, PromptRun, summarize, tokens_per_second
+from .metrics import REFERENCE, PromptRun, profile_prediction, summarize, tokens_per_second
 from .report import render_report, write_plots
 
 WARMUP_TOKENS = 8
@@ -135,6 +136,25 @@ def summarize_benchmark(
     return {"methods": overall, "per_dataset": per_dataset}
 
 
+def add_profile_prediction(
+    methods_summary: dict, runs: Sequence[PromptRun], methods: Sequence[Method], profile
+) -> None:
+    """Each method's summary gains the stored device profile's price of the cycles it ran (metrics.profile_prediction):
+    profile_draft_ms_per_cycle (only where the profile timed this drafter), profile_verify_ms_per_cycle and,
+    for plain decoding, profile_decode_ms_per_step, next to the measured figures so a gap shows."""
+    drafter_in_profile = ((profile or {}).get("draft") or {}).get("drafter")
+    for m in methods:
+        summary = methods_summary[m.name]
+        if profile is None:
+            summary.update(profile_verify_ms_per_cycle=None, profile_draft_ms_per_cycle=None)
+            continue
+        b = None
+        drafter = getattr(m, "drafter", None)
+        if drafter is not None and profile_drafter_label(drafter) == drafter_in_profile:
+            b = m.block_size or drafter.config.block_size
+        summary.update(profile_prediction([r for r in runs if r.method == m.name], profile, b))
+
+
 def benchmark(
     target,
     datasets: dict[str, list[list[int]]],
@@ -171,6 +191,17 @@ def benchmark(
             "null); distribution preservation is tested in tests/test_core.py"
         )
     summary = summarize_benchmark(runs, [m.name for m in methods], list(datasets), compare)
+    try:
+        profile = load_profile(target)
+    except DominoError as exc:
+        profile = None
+        notes.append(f"the device profile was not read ({exc}): no predicted draft / verify ms")
+    if profile is None:
+        notes.append(
+            "no stored device profile for this target and thread count: run `dominospec profile` to see "
+            "its predicted draft / verify ms per cycle next to the measured ones"
+        )
+    add_profile_prediction(summary["methods"], runs, methods, profile)
     if compare and target.dtype not in (torch.float32, torch.float64):
         # reduced precision: a mismatch is acceptable only where the target itself was near a tie
         for name, m in summary["methods"].items():
@@ -223,6 +254,7 @@ def benchmark(
                     "verified": r.verified,
                     "lookup_cycles": r.lookup_cycles,
                     "draft_skipped": r.draft_skipped,
+                    "prompt_len": r.prompt_len,
                     "tokens": r.tokens,
                 }
             )
