@@ -146,7 +146,8 @@ def test_packed_path_never_runs_where_autograd_records_or_off_cpu_fp32(monkeypat
 
 
 def test_packed_copies_follow_weight_changes(target):
-    """An in-place edit or load_state_dict repacks at the next use; the proposals follow the new weights."""
+    """An in-place edit or load_state_dict (copying or assigning) repacks at the next use, and the packed outputs
+    follow the new weights; attaching to the same target again does not repack."""
     drafter = make_drafter(target, "domino", True, 40)
     z = torch.randn(2, 4, drafter.config.hidden_size)
     with torch.no_grad():
@@ -162,6 +163,10 @@ def test_packed_copies_follow_weight_changes(target):
         torch.testing.assert_close(
             packed.conf(torch.cat([z, z], -1))[..., 0], other.confidence(z, z), rtol=1e-4, atol=1e-5
         )
+        assert other.attach(target).fast() is packed  # attaching to the same target again keeps the copies
+        state = {k: v.clone() for k, v in other.state_dict().items()}
+        other.load_state_dict(state, assign=True)  # new tensor objects with the same values
+        assert other.fast() is not packed
 
 
 def _library_base(drafter, z):

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..sampling import sample, warp_probs
 from ..targets.kernels import PackedLinear
+from .layers import rope_tables
 
 ENV_SWITCH = "DOMINOSPEC_DRAFTER_FAST"  # "off": the drafter's library path (today's), for A/B runs
 
@@ -53,13 +54,22 @@ def watched_tensors(drafter) -> list[torch.Tensor]:
 class Watch:
     """Storage and version counter of each watched tensor at packing time: any in-place change (an optimiser
     step, load_state_dict's copy, an edit), a move or a new storage makes the packed copies stale. A few
-    microseconds per check (no module traversal); Drafter drops its copies where tensors are replaced."""
+    microseconds per check (no module traversal); where tensors may be replaced (`.to()`, `attach`, an assigning
+    load) the Drafter checks `covers` over the current ones."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.seen = [(t, t.data_ptr(), _version(t)) for t in tensors]
 
     def stale(self) -> bool:
         return any(t.data_ptr() != ptr or _version(t) != v for t, ptr, v in self.seen)
+
+    def covers(self, tensors: list[torch.Tensor]) -> bool:
+        """The same tensor objects, unchanged (after a call that may replace them: `.to()`, assign loads)."""
+        return (
+            len(tensors) == len(self.seen)
+            and all(t is s for t, (s, _, _) in zip(tensors, self.seen))
+            and not self.stale()
+        )
 
 
 def _pack(module, *weights: torch.Tensor, bias=None) -> PackedLinear:
@@ -133,8 +143,6 @@ class Rope:
     def __call__(self, pos: torch.Tensor, needed: int):
         # pos [N, S] -> cos, sin [N, S, D] contiguous
         if needed > self.cos.shape[0]:
-            from .layers import rope_tables
-
             cos, sin = rope_tables(
                 torch.arange(max(needed, 2 * self.cos.shape[0], 256)), self.head_dim, self.theta, torch.float32
             )

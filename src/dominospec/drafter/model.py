@@ -25,7 +25,7 @@ from ..targets.kernels import load_kernels
 from ..targets.native import KVCache
 from .checkpoint import CONFIG_NAME, check_draft_vocab, check_state, read_checkpoint, save_checkpoint
 from .config import DrafterConfig
-from .fast import PackedDrafter, fast_enabled
+from .fast import PackedDrafter, fast_enabled, watched_tensors
 from .heads import HEADS, ConfidenceHead
 from .layers import DraftLayer, RMSNorm, block_attention_mask, rope_tables
 
@@ -91,7 +91,8 @@ class Drafter(nn.Module):
         self.check_fits(target)
         self.to(device=target.device, dtype=target.dtype)
         self._borrowed = (target.input_embeddings(), target.output_embeddings())
-        self._packed, self._target_head_kernel = None, None
+        self._drop_stale_pack()  # the same target again keeps them (attach is cheap to repeat)
+        self._target_head_kernel = None
         native_head = getattr(getattr(target, "native", None), "lm_head", None)
         if getattr(self._borrowed[1], "bias", None) is None and getattr(native_head, "bias", None) is None:
             self._target_head_kernel = getattr(native_head, "kernel", None)
@@ -113,18 +114,26 @@ class Drafter(nn.Module):
         module = load_kernels()
         if module is None:
             return None
-        if self._packed is None or self._packed.watch.stale():
-            self._packed = None  # free the old copies before packing new ones
-            self._packed = PackedDrafter(self, module)
-        return self._packed
+        packed = self._packed  # one read: another thread may repack meanwhile
+        if packed is None or packed.watch.stale():
+            packed = self._packed = PackedDrafter(self, module)
+        return packed
 
-    def _apply(self, fn, *args, **kwargs):  # .to() / .float() / .cuda(): the packed copies are stale
-        self._packed = None
-        return super()._apply(fn, *args, **kwargs)
+    def _drop_stale_pack(self) -> None:
+        """Forget the packed copies if a watched tensor was replaced or changed (they are made again at next use)."""
+        packed = getattr(self, "_packed", None)
+        if packed is not None and not packed.watch.covers(watched_tensors(self)):
+            self._packed = None
 
-    def load_state_dict(self, *args, **kwargs):  # assign=True replaces tensors the packed copies watch
-        self._packed = None
-        return super().load_state_dict(*args, **kwargs)
+    def _apply(self, fn, *args, **kwargs):  # .to() / .float() may replace the watched tensors
+        out = super()._apply(fn, *args, **kwargs)
+        self._drop_stale_pack()
+        return out
+
+    def load_state_dict(self, *args, **kwargs):  # assign=True replaces them
+        out = super().load_state_dict(*args, **kwargs)
+        self._drop_stale_pack()
+        return out
 
     def check_fits(self, target) -> None:
         c = self.config
@@ -151,7 +160,7 @@ class Drafter(nn.Module):
 
     def refresh_head_rows(self) -> None:
         """Gather the LM-head rows of the draft vocabulary (after attach or a new draft_vocab)."""
-        self._head_rows = self._packed = None
+        self._head_rows = None
         if self.config.draft_vocab_size and self._borrowed is not None:
             self._head_rows = self._tables()[1].weight[self.draft_vocab].detach()
 
