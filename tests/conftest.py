@@ -564,20 +564,10 @@ def save_char_model(d: Path, context: int = 64, seed: int = 0) -> Path:
 
 
 @contextlib.contextmanager
-def serve_in_thread(engine, target, api_key: str | None = None):
-    """`dominospec serve`'s server over `engine`, in a thread on a free loopback port; yields its base URL."""
-    from dominospec.serve import ServeConfig, free_port, make_server
+def serve_in_thread(engine, target, api_key: str | None = None, request_timeout: float = 30.0):
+    """`serving` with the target's default ServeConfig, an API key and a time limit."""
+    from dominospec.serve import ServeConfig
 
-    server = make_server(engine, target, ServeConfig(model_name=target.name, api_key=api_key), port=free_port())
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "the server did not stop"
+    config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
+    with serving(engine, target, config) as base:
+        yield base

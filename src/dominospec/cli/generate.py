@@ -165,32 +165,38 @@ class MarkedPrinter:
     """Prints tokens as they come, each in its source's colour when `colour` (a terminal).
 
     Called as on_tokens(tokens) (plain decoding: every token is the target's) or
-    on_tokens(tokens, sources). A token's text is what decoding it adds to the text so far; a token
-    that ends inside a UTF-8 character waits for the one that completes it."""
+    on_tokens(tokens, sources). A token's text is what decoding it adds to a short window of the
+    tokens before it (so a long answer costs O(tokens)); a token that ends inside a UTF-8 character
+    waits for the one that completes it, which then carries the character."""
+
+    WINDOW = 8  # tokens decoded before the new one, as context for the decoder
 
     def __init__(self, decode, out, colour: bool):
         self.decode, self.out, self.colour = decode, out, colour
         self.ids: list[int] = []
-        self.printed = 0  # characters of the decoded text already written
+        self.written = 0  # tokens whose text is written
 
     def __call__(self, tokens: list[int], sources: list[str] | None = None) -> None:
         for tok, source in zip(tokens, sources or ["target"] * len(tokens)):
             self.ids.append(tok)
-            text = self.decode(self.ids)
-            if text.endswith("\ufffd"):
-                continue
-            self._write(text[self.printed :], source)
-            self.printed = len(text)
+            self._write_new(source, final=False)
         self.out.flush()
 
     def finish(self) -> None:
-        self._write(self.decode(self.ids)[self.printed :], "target")
+        self._write_new("target", final=True)
         self.out.flush()
 
-    def _write(self, piece: str, source: str) -> None:
+    def _write_new(self, source: str, final: bool) -> None:
+        start = max(0, self.written - self.WINDOW)
+        before = self.decode(self.ids[start : self.written])
+        window = self.decode(self.ids[start:])
+        if window.endswith("\ufffd") and not final:
+            return
+        piece = window[len(before) :]
         if piece and self.colour and COLOURS.get(source):
             piece = f"{COLOURS[source]}{piece}{RESET}"
         self.out.write(piece)
+        self.written = len(self.ids)
 
 
 def add_parser(sub) -> None:

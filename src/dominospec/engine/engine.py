@@ -359,12 +359,13 @@ class Engine:
                 continue
             self.target.set_row_length(self.cache, r.slot, rollback_length(before, n))
             new = commit(seq, p, k, n, nxt)
-            if self.proposer is not None:
+            # a plain request's rows never draft: the drafter needs none of their features, and their
+            # steps are not the engine's speculation
+            if self.proposer is not None and r.req.speculative:
                 feats = out.features[i : i + 1, : n + 1] if out.features is not None else None
                 self.proposer.observe(seq, p, k, n, feats)
                 self.policy.observe(p, k, n)
-                if r.req.speculative:  # a plain request's steps are not the engine's speculation
-                    self._record_cycle(k, n, len(new))
+                self._record_cycle(k, n, len(new))
             self._emit(r, new, k)
         return True
 

@@ -265,11 +265,19 @@ function drawBudget() {
   if (points.length < 1) return;
   const top = Math.max(1, ...points.map((p) => p[1]));
   const now = performance.now();
-  const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-  const xy = points.map(([t, v]) => `${(200 * (1 - (now - t) / WINDOW_MS)).toFixed(1)},${(38 - 36 * (v / top)).toFixed(1)}`);
-  if (xy.length === 1) xy.push(`200,${xy[0].split(",")[1]}`);
-  line.setAttribute("points", xy.join(" "));
+  const svgNS = "http://www.w3.org/2000/svg";
+  const xy = points.map(([t, v]) => [200 * (1 - (now - t) / WINDOW_MS), 38 - 36 * (v / top)]);
+  const line = document.createElementNS(svgNS, "polyline");
+  line.setAttribute("points", xy.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" "));
   svg.append(line);
+  for (const [x, y] of xy) {
+    const dot = document.createElementNS(svgNS, "rect"); // a mark per interval, visible even alone
+    dot.setAttribute("x", (x - 1.5).toFixed(1));
+    dot.setAttribute("y", (y - 1.5).toFixed(1));
+    dot.setAttribute("width", "3");
+    dot.setAttribute("height", "3");
+    svg.append(dot);
+  }
 }
 
 function drawAcceptance(values) {
