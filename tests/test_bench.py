@@ -157,12 +157,10 @@ def test_profile_prediction_prices_each_cycle_at_its_own_k_and_context():
 
 
 def test_bench_reports_the_profiles_prediction_next_to_the_measured_cycle(tmp_path, llama_target, monkeypatch):
-    from dominospec.decode.cost import profile_drafter_label
-
     d = tiny_drafter(llama_target, head="domino", block_size=4)
     profile = {
         "verify": {"256": {"k": list(range(1, 6)), "seconds": [0.01 * k for k in range(1, 6)]}},
-        "draft": {"b": [1, 2, 3, 4], "seconds": [0.001] * 4, "drafter": profile_drafter_label(d)},
+        "draft": {"b": [1, 2, 3, 4], "seconds": [0.001] * 4, "drafter": runner.profile_drafter_label(d)},
     }
     monkeypatch.setattr(runner, "load_profile", lambda target: profile)
     methods, _ = bench_methods.build_methods(("ar", "drafters"), [("tiny", d)])
