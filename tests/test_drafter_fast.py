@@ -3,6 +3,7 @@ identical, the distributions sampled drafts are drawn from equal to fp32 roundin
 without a confidence head and a draft vocabulary, at one row and several; speculative output stays exactly
 plain greedy decoding. The packed copies are never used where autograd records and follow weight changes."""
 
+import copy
 import importlib
 import math
 
@@ -171,6 +172,16 @@ def test_packed_copies_follow_weight_changes(target):
         state = {k: v.clone() for k, v in other.state_dict().items()}
         other.load_state_dict(state, assign=True)  # new tensor objects with the same values
         assert other.fast() is not packed
+
+
+def test_a_copied_drafter_packs_its_own_copies(target):
+    drafter = make_drafter(target, "domino", True, 40)
+    with torch.no_grad():
+        packed = drafter.fast()
+        twin = copy.deepcopy(drafter)  # the kernel's panels and module are not copied along
+        assert twin.fast() is not None and twin.fast() is not packed
+        z = torch.randn(1, 4, drafter.config.hidden_size)
+        torch.testing.assert_close(twin.fast().base_logits(z), packed.base_logits(z))
 
 
 def _library_base(drafter, z):

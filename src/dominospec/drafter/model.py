@@ -119,6 +119,10 @@ class Drafter(nn.Module):
             packed = self._packed = PackedDrafter(self, module)
         return packed
 
+    def __getstate__(self):  # copies and pickles leave the packed copies behind (made again at next use)
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_packed": None, "_target_head_kernel": None}
+
     def _drop_stale_pack(self) -> None:
         """Forget the packed copies if a watched tensor was replaced or changed (they are made again at next use)."""
         packed = getattr(self, "_packed", None)
