@@ -89,11 +89,14 @@ class PackedLayer:
         self.o = _pack(module, layer.o_proj.weight)
         self.gate_up = _pack(module, layer.gate_proj.weight, layer.up_proj.weight)
         self.down = _pack(module, layer.down_proj.weight)
-        self.q_w = self.k_w = None
-        if c.qk_norm:  # per-head norm weights stacked so q and k heads are normed in one op
-            self.q_w, self.k_w = layer.q_norm.weight.detach(), layer.k_norm.weight.detach()
+        self.qk_w = self.k_w = None  # [hq+hkv, D] per-head norm weights, so q and k heads are normed in one op
+        if c.qk_norm:
+            self.k_w = layer.k_norm.weight.detach()
             self.qk_w = torch.cat(
-                [self.q_w.expand(c.num_attention_heads, -1), self.k_w.expand(c.num_key_value_heads, -1)]
+                [
+                    layer.q_norm.weight.detach().expand(c.num_attention_heads, -1),
+                    self.k_w.expand(c.num_key_value_heads, -1),
+                ]
             )
 
     def _rope(self, x, cos, sin, heads: int):
@@ -119,7 +122,7 @@ class PackedLayer:
         h = F.rms_norm(x, x.shape[-1:], L.input_norm.weight, c.rms_norm_eps)
         qkv = self.qkv(h).view(R, B, hq + 2 * hkv, d)  # heads q | k | v
         qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv :]
-        if self.q_w is not None:
+        if self.qk_w is not None:
             qk = F.rms_norm(qk, qk.shape[-1:], None, c.rms_norm_eps) * self.qk_w
         qk = self._rope(qk, cos, sin, hq + hkv)  # [R, B, hq+hkv, D]
         q, k, v = qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2), v.transpose(1, 2)
@@ -138,16 +141,17 @@ class Rope:
 
     def __init__(self, head_dim: int, theta: float):
         self.head_dim, self.theta, self.half = head_dim, theta, head_dim // 2
-        self.cos = self.sin = torch.empty(0, head_dim)
+        self.tables = (torch.empty(0, head_dim), torch.empty(0, head_dim))  # one tuple: replaced whole
 
     def __call__(self, pos: torch.Tensor, needed: int):
         # pos [N, S] -> cos, sin [N, S, D] contiguous
-        if needed > self.cos.shape[0]:
-            cos, sin = rope_tables(
-                torch.arange(max(needed, 2 * self.cos.shape[0], 256)), self.head_dim, self.theta, torch.float32
-            )
-            self.cos, self.sin = cos, torch.cat([-sin[:, : self.half], sin[:, self.half :]], dim=-1)
-        return self.cos[pos], self.sin[pos]
+        cos, sin = self.tables
+        if needed > cos.shape[0]:
+            n = max(needed, 2 * cos.shape[0], 256)
+            cos, sin = rope_tables(torch.arange(n), self.head_dim, self.theta, torch.float32)
+            sin = torch.cat([-sin[:, : self.half], sin[:, self.half :]], dim=-1)
+            self.tables = (cos, sin)
+        return cos[pos], sin[pos]
 
 
 class DominoSteps:
@@ -176,13 +180,12 @@ class DominoSteps:
         self.hidden = hidden
 
     def start(self, z):
-        # z [R, b, H]: the slot-independent half of the correction for every slot at once
-        R = z.shape[0]
-        self.w1z = self.w1_z(z)  # [R, b, rank]
-        self.xs = z.new_zeros(R, self.hidden + self.g)  # [x ; s], s starts at 0
+        """One rollout's state (kept by the caller: a drafter may roll out in several threads) for z [R, b, H]:
+        the slot-independent half of the correction for every slot at once, and [x ; s] with s = 0."""
+        return self.w1_z(z), z.new_zeros(z.shape[0], self.hidden + self.g)  # [R, b, rank], [R, H+g]
 
-    def __call__(self, k, prev_emb, prev_id, base_k):
-        H, g, xs = self.hidden, self.g, self.xs
+    def __call__(self, k, prev_emb, prev_id, base_k, state):
+        (w1z, xs), H, g = state, self.hidden, self.g
         xs[:, :H] = prev_emb
         pre = self.gates(xs)  # [R, 4g]
         ru = torch.sigmoid(pre[:, : 2 * g])
@@ -191,7 +194,7 @@ class DominoSteps:
         xs[:, H:] = s
         if k == 0:  # slot 0 stays pure: the backbone already sees the anchor
             return base_k
-        return self.w2(F.silu(self.w1z[:, k] + self.w1_s(s))).add_(base_k)
+        return self.w2(F.silu(w1z[:, k] + self.w1_s(s))).add_(base_k)
 
 
 class MarkovSteps:
@@ -203,9 +206,9 @@ class MarkovSteps:
         self.w1, self.w2 = head.w1.weight.detach(), _pack(module, head.w2.weight)
 
     def start(self, z):
-        pass
+        return None
 
-    def __call__(self, k, prev_emb, prev_id, base_k):
+    def __call__(self, k, prev_emb, prev_id, base_k, state):
         return self.w2(F.embedding(prev_id, self.w1)).add_(base_k)
 
 
@@ -220,14 +223,12 @@ class RNNSteps:
         self.cell, self.w2 = _pack(module, head.cell.weight, bias=head.cell.bias), _pack(module, head.w2.weight)
 
     def start(self, z):
-        R, r = z.shape[0], self.r
-        self.z = z
-        self.x = z.new_zeros(R, 2 * r + z.shape[-1])  # [s ; e ; h], s starts at 0
+        return z, z.new_zeros(z.shape[0], 2 * self.r + z.shape[-1])  # z [R, b, H]; [s ; e ; h] [R, 2r+H], s = 0
 
-    def __call__(self, k, prev_emb, prev_id, base_k):
-        r, x = self.r, self.x
+    def __call__(self, k, prev_emb, prev_id, base_k, state):
+        (z, x), r = state, self.r
         x[:, r : 2 * r] = F.embedding(prev_id, self.w1)
-        x[:, 2 * r :] = self.z[:, k]
+        x[:, 2 * r :] = z[:, k]
         g, c, o = self.cell(x).chunk(3, dim=-1)
         x[:, :r] = torch.lerp(torch.tanh(c), x[:, :r], torch.sigmoid(g))  # gate s + (1 - gate) tanh(c)
         return self.w2(torch.tanh(o)).add_(base_k)
@@ -314,14 +315,14 @@ class PackedDrafter:
             tops = torch.softmax(base, -1).amax(-1) if top else None
         else:
             steps = self.steps
-            steps.start(z)
+            state = steps.start(z)
             drafts = anchors.new_empty(R, b)
             tops = base.new_empty(R, b) if top else None
             rows = [[] for _ in range(R)]
             prev = anchors
             for k in range(b):
                 emb = d.embed(prev) if steps.needs_embedding else None
-                logits = steps(k, emb, prev, base[:, k])  # [R, V']
+                logits = steps(k, emb, prev, base[:, k], state)  # [R, V']
                 if top:
                     tops[:, k] = torch.softmax(logits, -1).amax(-1)
                 picks, dk = _pick(logits[:, None], samplings, gens, greedy)  # [R, 1]
