@@ -7,7 +7,7 @@ base logits and confidence) and the confidence head ("confidence"; the library p
 packed path once per cycle). Both paths run in one process, interleaved per repeat; medians in ms, for each
 thread count. Run pinned on a quiet machine, e.g.
 
-  taskset -c 1 python scripts/draft_cycle.py --threads 1 --clock cpu
+  taskset -c 1 python scripts/draft_cycle.py --threads 1 --cpu-clock
   taskset -c 0,1 python scripts/draft_cycle.py --threads 2
 
 Defaults: the bundled smollm2-135m target with its shipped drafter, block 8, one row, context 130.
@@ -141,16 +141,11 @@ def main() -> None:
     ap.add_argument("--accepted", type=int, default=1, help="drafts accepted by the cycle before (context rows)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--tiny", action="store_true", help="a random tiny target and drafter: a smoke test only")
-    ap.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="cpu: this thread's CPU time (1 thread only): time descheduled on a shared machine is not counted",
-    )
+    ap.add_argument("--cpu-clock", action="store_true", help="count this thread's CPU time (with --threads 1)")
     args = ap.parse_args()
-    if args.clock == "cpu" and args.threads != "1":
-        ap.error("--clock cpu measures one thread; use --threads 1")
-    args.clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.cpu_clock and args.threads != "1":
+        ap.error("--cpu-clock measures one thread; use --threads 1")
+    args.clock = time.thread_time if args.cpu_clock else time.perf_counter
     target, drafter = load_pair(args)
     with torch.no_grad():
         packed = drafter.fast() is not None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig, sample, warp_probs
+from ..sampling import SamplingConfig, pick_per_row
 
 
 @dataclass
@@ -50,21 +50,6 @@ def draft_rows(
     return rollout(drafter, z, anchors, bs, samplings, gens, use_head, top)
 
 
-def _pick(logits: torch.Tensor, samplings, gens) -> tuple[torch.Tensor, list]:
-    """Row r of logits [R, ..., V'] -> its drafts (argmax, or drawn with gens[r]) and, when drawn, the
-    distribution it was drawn from. Each row's draws come from its own generator, in row order."""
-    picks, dists = [], []
-    for r, (s, g) in enumerate(zip(samplings, gens)):
-        if s.greedy:
-            picks.append(logits[r].argmax(-1))
-            dists.append(None)
-        else:
-            p = warp_probs(logits[r], s)
-            picks.append(sample(p, g))
-            dists.append(p)
-    return torch.stack(picks), dists
-
-
 def rollout(drafter, z: torch.Tensor, anchors: torch.Tensor, bs: list[int], samplings, gens, use_head=True, top=False):
     """The head's left-to-right rollout for R blocks at once: z [R, B, H], anchors [R] -> R Proposals.
 
@@ -93,7 +78,7 @@ def _rollout_library(drafter, z, anchors, samplings, gens, use_head, top):
     base = drafter.base_logits(z.reshape(R * b, -1)).view(R, b, -1)  # [R, b, V'] (V' = draft vocabulary)
     head, conf = drafter.head, drafter.confidence
     if not use_head or not head.corrects:
-        picks, dists = _pick(base, samplings, gens)  # [R, b]
+        picks, dists = pick_per_row(base, samplings, gens)  # [R, b]
         drafts = drafter.to_target_ids(picks)
         confidence = None
         if conf is not None:  # slot k reads the token before it: the anchor, then the drafts
@@ -111,7 +96,7 @@ def _rollout_library(drafter, z, anchors, samplings, gens, use_head, top):
         logits = base[:, k] if delta is None else base[:, k] + delta  # [R, V']
         if top:
             tops.append(torch.softmax(logits.float(), -1).amax(-1))  # [R]
-        picks, dists = _pick(logits[:, None], samplings, gens)  # [R, 1]
+        picks, dists = pick_per_row(logits[:, None], samplings, gens)  # [R, 1]
         prev = drafter.to_target_ids(picks[:, 0])
         steps.append((prev, dists))
     drafts = torch.stack([t for t, _ in steps], dim=1)  # [R, b]

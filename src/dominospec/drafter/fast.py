@@ -25,7 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..sampling import sample, warp_probs
+from ..sampling import pick_per_row
 from ..targets.kernels import PackedLinear
 from .layers import rope_tables
 
@@ -237,24 +237,6 @@ class RNNSteps:
 STEPS = {"domino": DominoSteps, "markov": MarkovSteps, "rnn": RNNSteps}
 
 
-def _pick(logits, samplings, gens, greedy: bool):
-    """Row r of logits [R, ..., V'] -> (drafts [R, ...], per-row distribution drawn from or None).
-
-    As the library path: each row draws with its own generator, rows in order."""
-    if greedy:
-        return logits.argmax(-1), [None] * logits.shape[0]
-    picks, dists = [], []
-    for r, (s, g) in enumerate(zip(samplings, gens)):
-        if s.greedy:
-            picks.append(logits[r].argmax(-1))
-            dists.append(None)
-        else:
-            p = warp_probs(logits[r], s)
-            picks.append(sample(p, g))
-            dists.append(p)
-    return torch.stack(picks), dists
-
-
 class PackedDrafter:
     """Packed copies of a Drafter's weights and its inference passes over them (see the module note)."""
 
@@ -307,10 +289,9 @@ class PackedDrafter:
         confidence logits [R, b] or None, top draft probabilities [R, b] or None)."""
         d = self.drafter
         R, b, _ = z.shape
-        greedy = all(s.greedy for s in samplings)
         base = self.base_logits(z)  # [R, b, V']
         if not use_head or self.steps is None:
-            picks, dists = _pick(base, samplings, gens, greedy)  # [R, b]
+            picks, dists = pick_per_row(base, samplings, gens)  # [R, b]
             drafts = d.to_target_ids(picks)
             tops = torch.softmax(base, -1).amax(-1) if top else None
         else:
@@ -325,7 +306,7 @@ class PackedDrafter:
                 logits = steps(k, emb, prev, base[:, k], state)  # [R, V']
                 if top:
                     tops[:, k] = torch.softmax(logits, -1).amax(-1)
-                picks, dk = _pick(logits[:, None], samplings, gens, greedy)  # [R, 1]
+                picks, dk = pick_per_row(logits[:, None], samplings, gens)  # [R, 1]
                 prev = drafts[:, k] = d.to_target_ids(picks[:, 0])
                 for r, p in enumerate(dk):
                     rows[r].append(p)
