@@ -4,7 +4,7 @@ Models are random-weight models built from configs shaped like real ones (no hub
 SmolLM2-135M, Llama-3.2-1B and Qwen3-4B. Three sections, each written to JSON as soon as it ends:
 
   verify    one target forward over k = 1..max_k new tokens after a cached context, as a multiple
-            of one decode step (k = 1), per model, dtype, backend and context (decode/cost.py's
+            of one decode step (k = 1), per model, dtype, backend and context (tune/profile.py's
             profile_verify_cost: median of interleaved repeats, features on, as the loop runs it)
   engine    the engine's aggregate generated tokens/s with policy plain at each concurrency C
             (max_batch = C, 2C requests queued, greedy, no EOS)
@@ -34,9 +34,9 @@ import torch
 
 from dominospec import Drafter, DrafterConfig, SamplingConfig, Target, generate_autoregressive, generate_speculative
 from dominospec.decode import PromptLookup
-from dominospec.decode.cost import profile_verify_cost
 from dominospec.devices import describe_device, synchronize
 from dominospec.engine import Engine, EngineRequest
+from dominospec.tune.profile import profile_verify_cost
 
 # Published shapes (config.json of each model); weights are random.
 SHAPES = {

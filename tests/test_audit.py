@@ -276,20 +276,20 @@ def test_teacher_forced_replay_equals_live_greedy_acceptance(head, draft_vocab, 
     """Per cycle of generate_speculative: the training-path greedy hits at that cycle's anchor, on the
     final output, accept exactly as many drafts as the live run did; and run on the live drafts
     themselves, the training path proposes every one of them."""
-    from dominospec.decode import single
+    from dominospec.decode import proposers
 
     target = qwen3_target
     d = tiny_drafter(target, head=head, block_size=B, draft_vocab=draft_vocab)
     make_the_head_read_its_tokens(d)
     drafts = []
-    real = single.draft_block
+    real = proposers.draft_block
 
     def recording_draft_block(*args, **kwargs):
         proposal = real(*args, **kwargs)
         drafts.append(proposal.drafts.tolist())
         return proposal
 
-    monkeypatch.setattr(single, "draft_block", recording_draft_block)
+    monkeypatch.setattr(proposers, "draft_block", recording_draft_block)
     layers = d.config.target_layer_ids
     cycles, accepted = 0, []
     for prompt in ([1, 2, 3], [5, 9, 11, 2, 7, 8, 30, 4, 4, 17]):

@@ -22,9 +22,9 @@ from dominospec.bench.metrics import (
 )
 from dominospec.cli import bench as bench_cli
 from dominospec.data.prompts import read_first_turns
-from dominospec.decode.cost import profile_verify_cost
 from dominospec.decode.result import tokens_per_cycle as tau
 from dominospec.errors import DominoError
+from dominospec.tune.profile import profile_verify_cost
 
 METRIC_KEYS = {
     "tokens_per_s",

@@ -163,7 +163,7 @@ def test_rejection_sampling_preserves_target_distribution(sampling, draft_vocab)
 @pytest.mark.slow
 def test_sampling_distribution_test_detects_a_wrong_acceptance_rule(monkeypatch):
     """The chi-square test above has power: always accepting the drafts must fail it."""
-    import dominospec.decode.single as dec
+    import dominospec.decode.step as dec
 
     def accept_all(drafts, draft_probs, target_probs, gen):
         return drafts.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=gen))

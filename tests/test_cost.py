@@ -5,8 +5,8 @@ import json
 import pytest
 from conftest import tiny_drafter
 
-from dominospec.decode import cost
 from dominospec.errors import DominoError
+from dominospec.tune import profile as cost
 
 
 def profile_table(verify_ms, draft_ms=None):
@@ -86,10 +86,15 @@ def test_sampling_reads_the_sampled_draft_cost(llama_target):
         "verify": {"256": {"k": [1, 2], "seconds": [0.01, 0.012]}},
         "draft": {"drafter": cost.profile_drafter_label(drafter), "b": [1, 2], "seconds": [0.002, 0.003]},
     }
-    assert CostTable.from_profile(table, drafter, 2, sampled=True).draft_s == 0.003  # no sampled column: greedy's
+
+    def step_seconds(costs, sampled):  # one row, anchor + 1 draft, drafting included
+        return costs.step_seconds(1, 2, sampled=sampled)
+
+    no_column = CostTable.from_profile(table, drafter, 2)
+    assert step_seconds(no_column, True) == pytest.approx(0.015)  # no sampled column: greedy's
     table["draft"]["seconds_sampled"] = [0.004, 0.005]
-    assert CostTable.from_profile(table, drafter, 2, sampled=True).draft_s == 0.005
-    assert CostTable.from_profile(table, drafter, 2).draft_s == 0.003
+    costs = CostTable.from_profile(table, drafter, 2)
+    assert step_seconds(costs, True) == pytest.approx(0.017) and step_seconds(costs, False) == pytest.approx(0.015)
 
 
 GOOD = {"fingerprint": {}, "verify": {"256": {"k": [1, 2], "seconds": [0.01, 0.012]}}}

@@ -3,6 +3,7 @@ allocates verify budgets as DSpark's Algorithm 1, and the caller's surface (queu
 
 import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ from conftest import assert_matches_distribution, exact_distribution, tiny_draft
 
 from dominospec import DominoError, SamplingConfig, Target, generate_autoregressive, generate_speculative
 from dominospec.decode import CostTable, PromptLookup, Proposal
-from dominospec.decode.schedule import BatchCostTable, BatchPolicy, VerifyPolicy, allocate_verify, make_batch_policy
+from dominospec.decode.schedule import BatchCostTable, CostPolicy, VerifyPolicy, allocate_verify
 from dominospec.engine import Engine, EngineFull, EngineRequest
+from dominospec.tune.policy import make_policy
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(1.0)
+ROW, SAMPLED = SimpleNamespace(committed_len=1, sampling=GREEDY), SimpleNamespace(committed_len=1, sampling=T1)
 COSTS = CostTable({0: [1.0, 1.1, 1.2, 1.35, 1.5, 1.7]})  # cheap extra tokens: the cost policy verifies some
 
 
@@ -65,10 +68,7 @@ def test_one_request_through_the_engine_equals_the_batch1_loop(kind, sampling, t
         ref = generate_autoregressive(target, prompt, 40, sampling, seed=7, eos_ids=[])
         assert got.cycles == 0 and got.accepted == []
     else:
-        policy = None
-        if kind == "cost":
-            engine = engine_for("cost", target, drafter)
-            policy = _OneRowPolicy(engine.policy)
+        policy = engine_for("cost", target, drafter).policy if kind == "cost" else None  # the engine's own policy
         ref = generate_speculative(
             target,
             None if kind == "lookup" else drafter,
@@ -82,16 +82,6 @@ def test_one_request_through_the_engine_equals_the_batch1_loop(kind, sampling, t
         )
         assert got.accepted == ref.accepted and got.verified == ref.verified and got.cycles == ref.cycles > 0
     assert got.tokens == ref.tokens and got.finish_reason == "length"
-
-
-class _OneRowPolicy(VerifyPolicy):
-    """The engine's batch policy asked about one row: what the batch-1 loop must do to match it."""
-
-    def __init__(self, batch_policy):
-        self.batch = batch_policy
-
-    def verify_length(self, proposal, context=0):
-        return self.batch.verify_lengths([proposal], [context])[0]
 
 
 @pytest.mark.parametrize(
@@ -158,19 +148,26 @@ def _soft_target():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["plain", "cost", "cost-skipping"])
+@pytest.mark.parametrize("policy", ["plain", "cost", "cost-skipping", "cost-greedy-mates"])
 def test_engine_sampling_preserves_the_target_distribution_with_rows_joining_and_leaving(policy):
-    """cost-skipping: a draft pass so dear that the policy runs many steps without one (and probes)."""
+    """cost-skipping: a draft pass so dear that the policy runs many steps without one (and probes).
+    cost-greedy-mates: the joining rows decode greedily, so the scheduler walks past its first drop for
+    them in the same batch, and the sampled rows keep the target's distribution. (This drafter's confidences
+    hardly read the drafts, so a sampled row walking on would not show here: the rule itself is pinned
+    exactly by test_a_sampled_row_keeps_the_first_drop_beside_a_greedy_row.)"""
     target = _soft_target()
     drafter = tiny_drafter(target, block_size=3, seed=4, confidence=True) if policy != "plain" else None
     costs = CostTable({0: [1.0, 1.1, 1.2, 1.3]}, draft_s=0.3 if policy == "cost-skipping" else 0.0)
+    if policy == "cost-greedy-mates":  # a bump at the first draft of two rows: the curve drops, then rises again
+        costs = CostTable({0: [1.0, 1.1, 1.4, 1.45, 1.5, 1.55]})  # (the greedy walk then changes most cuts)
     engine = Engine(target, drafter, policy=policy.split("-")[0], costs=costs, max_batch=4, prefill_chunk=3)
     prompt, n = [1, 2, 3, 4], 800
     handles = []
     for i in range(n):  # other requests (longer, different prompts) keep joining and leaving between them
         handles.append(engine.submit(EngineRequest(prompt, 3, T1, seed=i, eos_ids=[])))
         if i % 3 == 0:
-            engine.submit(EngineRequest([5, 6, 7, 1, 2], 1 + i % 7, T1, seed=n + i, eos_ids=[]))
+            mate = GREEDY if policy == "cost-greedy-mates" else T1
+            engine.submit(EngineRequest([5, 6, 7, 1, 2], 1 + i % 7, mate, seed=n + i, eos_ids=[]))
         if i % 4 == 3:
             engine.run_until_idle() if i % 8 == 7 else engine.step()
     engine.run_until_idle()
@@ -206,11 +203,11 @@ def test_engine_cost_policy_measures_a_missing_batched_table_once(target, drafte
     batched rows, stores it, and the next one reuses it silently."""
     monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
     said = []
-    policy = make_batch_policy("cost", drafter, target, report=said.append)
+    policy = make_policy("cost", drafter, target, rows=2, report=said.append)
     assert any("quick one" in s for s in said) and any("batched cost table" in s for s in said)
     assert sorted(policy.costs.seconds) == [1, 2, 4, 8] and len(list((tmp_path / "profiles").glob("*.json"))) == 1
     said.clear()
-    again = make_batch_policy("cost", drafter, target, report=said.append)
+    again = make_policy("cost", drafter, target, rows=2, report=said.append)
     assert not any("measuring" in s for s in said) and again.costs.seconds == policy.costs.seconds
     engine = Engine(target, drafter, policy="cost", max_batch=2)  # reads the stored table
     h = engine.submit(EngineRequest([1, 2, 3], 12, eos_ids=[]))
@@ -220,16 +217,17 @@ def test_engine_cost_policy_measures_a_missing_batched_table_once(target, drafte
 
 def test_batch_policy_skips_drafting_from_earlier_steps_and_probes():
     table = BatchCostTable({1: [1.0, 1.05, 1.1, 1.15, 1.2]}, {1: 0.1})
-    policy = BatchPolicy("cost", VerifyPolicy(), table)
-    assert policy.wants_draft(rows=2, block_size=4)  # prior 0.5 per slot: drafting pays at first
+    policy = CostPolicy(costs=table, block_size=4)
+    rows = [ROW, ROW]
+    assert policy.wants_draft(rows)  # prior 0.5 per slot: drafting pays at first
     for _ in range(30):
         policy.observe(Proposal(torch.tensor([1, 2, 3, 4]), source="drafter"), 4, 0)  # all rejected
-    decisions = [policy.wants_draft(rows=2, block_size=4) for _ in range(32)]
+    decisions = [policy.wants_draft(rows) for _ in range(32)]
     assert decisions.count(True) == 2 and decisions[15] and decisions[31]  # one probe every 16 steps
     for _ in range(60):
         policy.observe(Proposal(torch.tensor([1, 2, 3, 4]), source="drafter"), 4, 4)  # all accepted
-    assert policy.wants_draft(rows=2, block_size=4)
-    assert BatchPolicy("fixed", VerifyPolicy(), table).wants_draft(rows=2, block_size=4)  # only cost skips
+    assert policy.wants_draft(rows)
+    assert VerifyPolicy().wants_draft(rows)  # only cost skips
 
 
 # ----- DSpark's Algorithm 1 over the batch -----
@@ -280,13 +278,11 @@ def _first_token_distribution(choose_k) -> torch.Tensor:
 
 def test_batch_scheduler_on_dsparks_counterexample_keeps_the_distribution():
     table = BatchCostTable({1: [1.0, 1.6, 1.7]})
-    from dominospec.decode.schedule import StaticPolicy
-
-    policy = BatchPolicy("cost", StaticPolicy(), table)
+    policy = CostPolicy(costs=table)
     other = Proposal(torch.tensor([0, 1]), None, torch.tensor([2.0, 1.0]))  # a second row in the batch
 
     def ours(p):
-        return policy.verify_lengths([p, other], [0, 0])[0]
+        return policy.verify_lengths([p, other], [SAMPLED, SAMPLED])[0]
 
     def full_search(p):  # the best total over all prefixes: c_2 (which read d_1) decides about d_1
         a = torch.cumprod(torch.sigmoid(p.confidence_logits.double()), 0).tolist()
@@ -295,6 +291,19 @@ def test_batch_scheduler_on_dsparks_counterexample_keeps_the_distribution():
 
     assert _first_token_distribution(full_search) == pytest.approx(torch.tensor([0.85, 0.15], dtype=torch.float64))
     assert _first_token_distribution(ours) == pytest.approx(P_T, abs=1e-12)
+
+
+def test_a_sampled_row_keeps_the_first_drop_beside_a_greedy_row():
+    """Protects: in one batch, a greedy row may walk past the first drop but a sampled row may not. On
+    DSpark's counterexample in a two-row batch, the sampled row keeps the target's distribution whether its
+    mate samples or decodes greedily; the control, the same row allowed to walk on, gets (0.85, 0.15)."""
+    policy = CostPolicy(costs=BatchCostTable({2: [1.0, 1.6, 1.7]}))
+    other = Proposal(torch.tensor([0, 1]), None, torch.tensor([2.0, 1.0]))
+    for mate in (SAMPLED, ROW):
+        ours = _first_token_distribution(lambda p, mate=mate: policy.verify_lengths([p, other], [SAMPLED, mate])[0])
+        assert ours == pytest.approx(P_T, abs=1e-12)
+    walking = _first_token_distribution(lambda p: policy.verify_lengths([p, other], [ROW, SAMPLED])[0])
+    assert walking == pytest.approx(torch.tensor([0.85, 0.15], dtype=torch.float64))
 
 
 def test_batch_cost_table_interpolates_over_total_tokens():
@@ -421,7 +430,7 @@ def test_background_thread_streams_tokens_in_order_and_drains_on_shutdown(target
 
 
 def test_batched_profile_feeds_the_scheduler(target, drafter):
-    from dominospec.decode.cost import profile_batch_cost
+    from dominospec.tune.profile import profile_batch_cost
 
     table = profile_batch_cost(target, drafter, rows=(1, 3), context=12, max_k=3, repeats=1)
     assert table["rows"] == [1, 3] and table["k"] == [1, 2, 3]

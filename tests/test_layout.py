@@ -132,6 +132,7 @@ STAGES = [
     {"targets"},  # the model being accelerated (the only home of transformers)
     {"drafter"},  # the draft model and its checkpoints
     {"decode"},  # one speculative step: propose, verify, accept
+    {"tune"},  # what the step reads, measured once: the device profile, the STS calibration, the policy built from them
     {"engine", "data", "export"},  # many requests at once; training data; other engines' formats
     {"serve"},  # the engine over HTTP (bench drives a running server: `bench --server`)
     {"train", "bench", "integrations"},  # what users run
@@ -183,7 +184,7 @@ def test_stage_check_catches_an_upward_and_a_sibling_import():
     }
     assert stage_violations(graph) == [
         "dominospec.targets.hf (stage 1) imports dominospec.decode.single (stage 3)",
-        "dominospec.train.trainer (stage 6) imports dominospec.bench.runner (stage 6)",
+        "dominospec.train.trainer (stage 7) imports dominospec.bench.runner (stage 7)",
     ]
 
 
@@ -212,6 +213,59 @@ def test_index_check_catches_an_unlisted_module(tmp_path):
     assert unlisted_modules(tmp_path / "__init__.py") == []
     (tmp_path / "forgotten.py").write_text("")
     assert unlisted_modules(tmp_path / "__init__.py") == ["forgotten.py"]
+
+
+# ----- the README's layout table, checked as the package indexes are -----
+
+
+def readme_layout(readme: Path) -> dict[str, str]:
+    """The rows of the README's "How it is organised" table: the "where" cell -> the "what" cell."""
+    rows = {}
+    for line in readme.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`") and (cells[0].endswith("/`") or cells[0].endswith(".py`")):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def layout_table_faults(readme: Path, root: Path) -> list[str]:
+    """What the table gets wrong about the package at `root`: a package without its row, a module its row
+    does not name, a named module that does not exist, a top-level module no row names."""
+    rows = readme_layout(readme)
+    faults = []
+    for pkg in sorted(p for p in root.iterdir() if (p / "__init__.py").exists()):
+        what = rows.get(f"`{pkg.name}/`")
+        if what is None:
+            faults.append(f"{pkg.name}/: no row")
+            continue
+        have = {p.name for p in pkg.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+        faults += [f"{pkg.name}/{m}: not named in its row" for m in sorted(have) if f"`{m}`" not in what]
+        named = set(re.findall(r"`(\w+\.py)`", what))
+        faults += [f"{pkg.name}/{m}: named, but no such module" for m in sorted(named - have)]
+    where = " ".join(w for w in rows if w.endswith(".py`") or ".py`," in w)
+    top = sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py")
+    faults += [f"{m}: no row names it" for m in top if f"`{m}`" not in where]
+    return faults
+
+
+def test_readme_layout_table_names_every_package_and_module():
+    assert layout_table_faults(REPO_ROOT / "README.md", PKG_ROOT) == []
+
+
+def test_layout_table_check_catches_a_missing_row_and_a_stale_name(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "a").mkdir(parents=True)
+    for f in ("a/__init__.py", "a/one.py", "a/two.py", "errors.py"):
+        (pkg / f).write_text("")
+    (pkg / "b").mkdir()
+    (pkg / "b" / "__init__.py").write_text("")
+    readme = tmp_path / "README.md"
+    readme.write_text("| where | what |\n|---|---|\n| `errors.py` | errors |\n| `a/` | `one.py` x; `gone.py` y |\n")
+    assert layout_table_faults(readme, pkg) == [
+        "a/two.py: not named in its row",
+        "a/gone.py: named, but no such module",
+        "b/: no row",
+    ]
 
 
 # files the code writes, named in docstrings as outputs, not cited as sources

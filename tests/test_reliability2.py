@@ -547,7 +547,7 @@ def test_a_full_disk_is_found_before_generation(char_model, tmp_path, capsys, mo
     ],
 )
 def test_acceptance_json_is_range_checked(content, message, tmp_path):
-    from dominospec.decode.cost import read_acceptance
+    from dominospec.tune.profile import read_acceptance
 
     path = tmp_path / "acceptance.json"
     path.write_text(content)

@@ -609,7 +609,7 @@ def test_train_samples_without_off_policy_samples_blames_train_samples():
 
 def test_block_size_auto_says_which_sizes_were_never_measured(monkeypatch, tmp_path):
     """Protects: when the profile covers only some block sizes, the note says the rest were not considered."""
-    import dominospec.decode.cost as cost
+    import dominospec.tune.profile as cost
 
     drafter = type("D", (), {"config": type("C", (), {"block_size": 6})()})()
     (tmp_path / "acceptance.json").write_text(json.dumps({"conditional": [0.0] * 6}))

@@ -2,6 +2,7 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from dominospec import DominoError, SamplingConfig, generate_autoregressive, gen
 from dominospec.bench import methods as bench_methods
 from dominospec.bench import runner
 from dominospec.decode import CostTable, Proposal, draft_block
-from dominospec.decode.schedule import CostPolicy, StaticPolicy, VerifyPolicy, make_policy
+from dominospec.decode.schedule import CostPolicy, StaticPolicy, VerifyPolicy, allocate_verify
+from dominospec.tune.policy import make_policy
 
 # verifying k drafts costs verify[k] (k+1 new tokens); steep enough that the cost policy cuts blocks
 COSTS = CostTable({0: [1.0, 1.25, 1.45, 1.7, 2.0]})
@@ -26,6 +28,16 @@ COSTS = CostTable({0: [1.0, 1.25, 1.45, 1.7, 2.0]})
 
 def logit(p):
     return math.log(p / (1 - p))
+
+
+def row(context=0, greedy=False):
+    """What a policy reads of a row: its context (committed tokens before the anchor) and its sampling."""
+    return SimpleNamespace(committed_len=context + 1, sampling=SamplingConfig() if greedy else SamplingConfig(1.0))
+
+
+def cut(policy, p, context=0, greedy=False) -> int:
+    """The policy's verify length for one row proposing p."""
+    return policy.verify_lengths([p], [row(context, greedy)])[0]
 
 
 def proposal(confidences, source="drafter"):
@@ -59,36 +71,36 @@ def test_confidence_logits_travel_with_the_proposal_and_read_the_token_before_ea
 
 def test_static_stops_before_the_first_slot_under_the_threshold():
     policy = StaticPolicy(threshold=0.5)
-    assert policy.verify_length(proposal([0.9, 0.8, 0.4, 0.9])) == 2  # slot 4 is confident, but after a stop
-    assert policy.verify_length(proposal([0.3, 0.9])) == 0
-    assert policy.verify_length(proposal([0.6, 0.7, 0.9])) == 3
+    assert cut(policy, proposal([0.9, 0.8, 0.4, 0.9])) == 2  # slot 4 is confident, but after a stop
+    assert cut(policy, proposal([0.3, 0.9])) == 0
+    assert cut(policy, proposal([0.6, 0.7, 0.9])) == 3
     # temperatures act on the logits: T = 3 pulls 0.8 (logit 1.39) to 0.61, T = 0.2 pushes 0.4 to 0.12
-    assert StaticPolicy([1.0, 3.0, 0.2], threshold=0.65).verify_length(proposal([0.9, 0.8, 0.4])) == 1
+    assert cut(StaticPolicy([1.0, 3.0, 0.2], threshold=0.65), proposal([0.9, 0.8, 0.4])) == 1
     # lookup confidences are running acceptance estimates: no temperatures
-    assert StaticPolicy([1.0, 3.0, 0.2], threshold=0.65).verify_length(proposal([0.9, 0.8, 0.4], "lookup")) == 2
-    assert VerifyPolicy().verify_length(proposal([0.1, 0.1])) == 2
+    assert cut(StaticPolicy([1.0, 3.0, 0.2], threshold=0.65), proposal([0.9, 0.8, 0.4], "lookup")) == 2
+    assert cut(VerifyPolicy(), proposal([0.1, 0.1])) == 2
 
 
 def test_cost_policy_adds_drafts_while_expected_tokens_per_second_rise():
     policy = CostPolicy(costs=COSTS)
     # survival 0.9, 0.81, 0.73, 0.66: rates 1, 1.52, 1.87, 2.03, 2.08 -> all four
-    assert policy.verify_length(proposal([0.9] * 4)) == 4
+    assert cut(policy, proposal([0.9] * 4)) == 4
     # survival 0.5, 0.25, ...: rates 1, 1.2, 1.21, 1.1 -> stops at the first drop, k = 2
     assert policy.rates([0.5, 0.25, 0.125, 0.0625])[:4] == pytest.approx([1.0, 1.2, 1.75 / 1.45, 1.875 / 1.7])
-    assert policy.verify_length(proposal([0.5] * 4)) == 2
-    assert policy.verify_length(proposal([0.1] * 4)) == 0
+    assert cut(policy, proposal([0.5] * 4)) == 2
+    assert cut(policy, proposal([0.1] * 4)) == 0
     # a draft cost paid every cycle makes longer verifies relatively cheaper
     heavy = CostPolicy(costs=CostTable(COSTS.verify_s, draft_s=3.0))
-    assert heavy.verify_length(proposal([0.5] * 4)) > 2
+    assert cut(heavy, proposal([0.5] * 4)) > 2
     # the table limits the search: 2 new tokens profiled -> at most 1 draft
-    assert CostPolicy(costs=CostTable({0: [1.0, 1.01]})).verify_length(proposal([0.99] * 4)) == 1
+    assert cut(CostPolicy(costs=CostTable({0: [1.0, 1.01]})), proposal([0.99] * 4)) == 1
 
 
 def test_cost_policy_uses_the_profiled_context_nearest_to_the_current_one():
     table = CostTable({64: [1.0, 1.1, 1.2], 1024: [1.0, 3.0, 4.0]})
     policy = CostPolicy(costs=table)
-    assert policy.verify_length(proposal([0.7, 0.7]), context=50) == 2
-    assert policy.verify_length(proposal([0.7, 0.7]), context=900) == 0
+    assert cut(policy, proposal([0.7, 0.7]), context=50) == 2
+    assert cut(policy, proposal([0.7, 0.7]), context=900) == 0
 
 
 # ----- DSpark's counterexample: the search must stop at its first drop -----
@@ -134,40 +146,47 @@ def test_search_past_the_first_drop_changes_the_output_distribution_and_ours_doe
     assert first_token_distribution(full_search) == pytest.approx(
         torch.tensor([0.85, 0.15], dtype=torch.float64), abs=1e-12
     )
-    assert first_token_distribution(policy.verify_length) == pytest.approx(P_T, abs=1e-12)
+    assert first_token_distribution(lambda p: cut(policy, p)) == pytest.approx(P_T, abs=1e-12)
     # the static rule looks at c_1..c_k only, so it is safe on the same example
-    assert first_token_distribution(StaticPolicy(threshold=0.4).verify_length) == pytest.approx(P_T, abs=1e-12)
+    assert first_token_distribution(lambda p: cut(StaticPolicy(threshold=0.4), p)) == pytest.approx(P_T, abs=1e-12)
 
 
-def test_greedy_cost_policy_searches_the_whole_curve():
-    """Protects: at T=0 the cost policy takes the best k of the whole curve, past a first drop (the
-    first-drop rule would stop at 0 on the counterexample's confident block)."""
+def test_greedy_rows_search_the_whole_curve_and_sampled_rows_stop_at_the_first_drop():
+    """Protects: a greedy row (T=0) takes the best k of the whole curve, past a first drop (the first-drop
+    rule would stop at 0 on the counterexample's confident block); a sampled row keeps the first drop,
+    also when both share one batch."""
     confident = Proposal(torch.tensor([0, 0]), None, torch.tensor([logit(C1), logit(C2[0])]))
-    assert CostPolicy(costs=COUNTER_COSTS).verify_length(confident) == 0
-    assert CostPolicy(costs=COUNTER_COSTS, greedy=True).verify_length(confident) == 2
+    assert cut(CostPolicy(costs=COUNTER_COSTS), confident) == 0
+    assert cut(CostPolicy(costs=COUNTER_COSTS), confident, greedy=True) == 2
     # control: where the curve only falls, both stop at 0
     doubtful = Proposal(torch.tensor([1, 0]), None, torch.tensor([logit(C1), logit(C2[1])]))
-    assert CostPolicy(costs=COUNTER_COSTS, greedy=True).verify_length(doubtful) == 0
+    assert cut(CostPolicy(costs=COUNTER_COSTS), doubtful, greedy=True) == 0
+    # one batch of two rows: the first candidate drops the rate (B 3 costs 3.0); a greedy row walks on
+    seconds = {2: 2.0, 3: 3.0, 4: 2.5, 5: 3.5, 6: 4.0}.__getitem__
+    survival = [[0.5, 0.495], [0.5, 0.495]]
+    assert allocate_verify(survival, seconds) == [0, 0]
+    assert allocate_verify(survival, seconds, greedy=[True, False]) == [2, 0]  # the sampled row stays at 0
+    assert allocate_verify(survival, seconds, greedy=[True, True]) == [1, 1]
 
 
 def test_cost_policy_skips_the_drafter_while_it_does_not_pay_probes_and_resumes():
     """Protects: with a running acceptance too low to pay for the draft, cycles become plain decode
     steps except for a probe every probe_every cycles; good outcomes bring drafting back."""
     policy = CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]}, draft_s=0.2), block_size=3, probe_every=4)
-    assert policy.wants_draft()  # the uniform prior (0.5 per position) pays for the draft here
+    assert policy.wants_draft([row()])  # the uniform prior (0.5 per position) pays for the draft here
     for _ in range(10):
         policy.observe(proposal([0.5] * 3), verified=3, accepted=0)  # every first draft rejected
-    assert [policy.wants_draft() for _ in range(8)] == [False, False, False, True] * 2
+    assert [policy.wants_draft([row()]) for _ in range(8)] == [False, False, False, True] * 2
     assert policy.skipped == 6
     for _ in range(30):
         policy.observe(proposal([0.5] * 3), verified=3, accepted=3)
-    assert policy.wants_draft() and policy.wants_draft()
+    assert policy.wants_draft([row()]) and policy.wants_draft([row()])
     policy.start()  # a new generation forgets the estimate
     assert policy.skipped == 0 and policy.acceptance.conditional(2) == [0.5, 0.5]
     # lookup outcomes do not move the drafter's estimate; without a draft cost there is nothing to skip
     policy.observe(proposal([0.5] * 3, "lookup"), verified=3, accepted=0)
     assert policy.acceptance.judged == []
-    assert CostPolicy(costs=COSTS).wants_draft()
+    assert CostPolicy(costs=COSTS).wants_draft([row()])
 
 
 # ----- lossless end to end -----
@@ -176,13 +195,12 @@ def test_cost_policy_skips_the_drafter_while_it_does_not_pay_probes_and_resumes(
 def policies():
     return {
         "static": StaticPolicy(threshold=0.6),
-        "cost": CostPolicy(costs=COSTS),
-        "cost-greedy": CostPolicy(costs=COSTS, greedy=True),
+        "cost": CostPolicy(costs=COSTS),  # greedy rows: the whole curve
     }
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("mode", ["static", "cost", "cost-greedy"])
+@pytest.mark.parametrize("mode", ["static", "cost"])
 def test_scheduled_verification_keeps_greedy_output(family, mode, llama_target, qwen3_target):
     target = llama_target if family == "llama" else qwen3_target
     drafter = confident_drafter(target, block_size=4)
@@ -204,7 +222,7 @@ def test_skipping_the_drafter_keeps_greedy_output(llama_target):
     skipped = drafted = 0
     for prompt in PROMPTS:
         ref = generate_autoregressive(llama_target, prompt, 30, eos_ids=[])
-        policy = CostPolicy(costs=CostTable(COSTS.verify_s, draft_s=0.6), greedy=True, block_size=4, probe_every=3)
+        policy = CostPolicy(costs=CostTable(COSTS.verify_s, draft_s=0.6), block_size=4, probe_every=3)
         spec = generate_speculative(llama_target, drafter, prompt, 30, eos_ids=[], verify=policy)
         assert spec.tokens == ref.tokens, prompt
         skipped += spec.draft_skipped
@@ -247,11 +265,14 @@ class PeekingPolicy(VerifyPolicy):
     """Wrong on purpose: verifies drafts only while each is one of the tokens the target likes most here,
     i.e. reads d_k to decide about d_k."""
 
-    def verify_length(self, proposal, context=0):
-        k = 0
-        while k < len(proposal) and int(proposal.drafts[k]) in (0, 1, 2, 3):
-            k += 1
-        return k
+    def verify_lengths(self, proposals, rows):
+        ks = []
+        for proposal in proposals:
+            k = 0
+            while proposal is not None and k < len(proposal) and int(proposal.drafts[k]) in (0, 1, 2, 3):
+                k += 1
+            ks.append(k)
+        return ks
 
 
 @pytest.mark.slow
@@ -342,7 +363,9 @@ def test_bench_runs_each_verify_policy_lookup_and_hybrid_side_by_side(llama_targ
         "domino-2L-b1",
         "domino-2L-b2",
         "none-2L-b2",
+        "none-2L-b2-cost",  # cost without a confidence head reads the draft's own top probability
         "hybrid-none-2L-b2",
+        "hybrid-none-2L-b2-cost",
         "none-2L-b1",
     ]
     assert any("none-2L-b2-static: skipped" in n and "confidence head" in n for n in notes_said)
@@ -370,12 +393,12 @@ def test_cost_policy_starts_from_the_drafters_measured_acceptance(llama_target, 
     drafter = confident_drafter(llama_target)
     costs = CostTable(COSTS.verify_s, draft_s=0.1)
     fresh = make_policy("cost", drafter, llama_target, costs=costs)
-    assert fresh.acceptance.conditional(2) == [0.5, 0.5] and fresh.wants_draft()
+    assert fresh.acceptance.conditional(2) == [0.5, 0.5] and fresh.wants_draft([row()])
     drafter.directory = tmp_path
     (tmp_path / "acceptance.json").write_text(json.dumps({"conditional": [0.05, 0.1, 0.1, 0.1]}))
     policy = make_policy("cost", drafter, llama_target, costs=costs)
     assert policy.acceptance.conditional(2) == pytest.approx([0.05, 0.1])
-    assert not policy.wants_draft()
+    assert not policy.wants_draft([row()])
     for _ in range(40):  # then the live outcomes take over
         policy.acceptance.record(4, 4)
-    assert policy.acceptance.conditional(1)[0] > 0.9 and policy.wants_draft()
+    assert policy.acceptance.conditional(1)[0] > 0.9 and policy.wants_draft([row()])

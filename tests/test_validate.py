@@ -9,7 +9,7 @@ from conftest import tiny_drafter
 from safetensors.torch import load_file
 
 from dominospec import DominoError
-from dominospec.decode.cost import expected_tokens
+from dominospec.decode.result import expected_tokens
 from dominospec.train import validate
 from dominospec.train.blocks import anchor_candidates, teacher_forced_blocks
 from dominospec.train.trainer import TrainConfig, Trainer

@@ -5,7 +5,8 @@ The data flow, one package per stage (tests/test_layout.py keeps imports one-way
            the foundation: DominoError, logging, atomic files, devices, sampling and acceptance rules
   targets/ the target model (the only package that calls transformers)
   drafter/ the drafter: parallel backbone + sequential head, checkpoints
-  decode/  proposals, verification, the shared speculative step, the batch-1 loops, verify cost
+  decode/  the online step for any number of rows (propose, verify, accept), the batch-1 loops, the policies
+  tune/    what the step reads, measured once: the device profile, the STS calibration, the policy built from them
   engine/  many requests at once: slots, ragged verification, DSpark's scheduler
   data/    prompts and on-policy training data
   export/  drafters in the formats SGLang, vLLM, speculators and SpecForge load

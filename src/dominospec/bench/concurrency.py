@@ -18,13 +18,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..decode.schedule import VERIFY_MODES
 from ..devices import describe_device
 from ..engine import Engine, EngineRequest
 from ..errors import DominoError
 from ..io import write_json_atomic
 from ..sampling import SamplingConfig
 
-ENGINE_POLICIES = ("plain", "fixed", "static", "cost", "lookup", "hybrid")
+ENGINE_POLICIES = (*VERIFY_MODES, "lookup", "hybrid")  # lookup alone and the hybrid run cost-scheduled
 WARMUP_TOKENS = 8
 
 

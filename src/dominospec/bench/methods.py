@@ -21,11 +21,12 @@ import torch
 
 from ..decode import generate_autoregressive, generate_speculative
 from ..decode.lookup import HYBRID_MIN_MATCH, LOOKUP_BLOCK_SIZE, PromptLookup
-from ..decode.schedule import DEFAULT_THRESHOLD, CostTable, VerifyPolicy, make_policy
+from ..decode.schedule import DEFAULT_THRESHOLD, CostTable, VerifyPolicy
 from ..devices import synchronize
 from ..errors import DominoError
 from ..sampling import SamplingConfig
 from ..targets.context import cap_new_tokens
+from ..tune.policy import make_policy
 from .metrics import REFERENCE, PromptRun
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for the pld baseline
@@ -194,7 +195,6 @@ def build_methods(
     costs: CostTable | None = None,
     threshold: float = DEFAULT_THRESHOLD,
     lookup_min_match: int = HYBRID_MIN_MATCH,
-    greedy: bool = False,
 ) -> tuple[list[Method], list[str]]:
     """Methods for the chosen groups; `drafters` are (source, Drafter) pairs. Returns (methods, notes).
 
@@ -221,7 +221,14 @@ def build_methods(
         for mode in verify:
             try:
                 policy = make_policy(
-                    mode, drafter, target, threshold, costs, b, lookup=lookup, report=notes.append, greedy=greedy
+                    mode,
+                    drafter,
+                    target,
+                    threshold=threshold,
+                    costs=costs,
+                    block_size=b,
+                    lookup=lookup,
+                    report=notes.append,
                 )
             except DominoError as exc:
                 notes.append(f"{name}-{mode}: skipped ({exc})")

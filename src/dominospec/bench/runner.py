@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 
 from ..data.prompts import read_prompt_file
-from ..decode.cost import load_profile, profile_drafter_label
-from ..decode.schedule import VERIFY_MODES
+from ..decode.schedule import DRAFT_MODES
 from ..devices import describe_device
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..errors import DominoError
@@ -33,6 +32,7 @@ from ..io import ensure_writable_dir, write_atomic, write_json_atomic
 from ..log import log
 from ..sampling import SamplingConfig
 from ..targets.context import cap_new_tokens, encode_if_fits
+from ..tune.profile import load_profile, profile_drafter_label
 from ..version import __version__
 from .methods import METHOD_GROUPS, Method, PromptLookupAlone, Speculative
 from .metrics import REFERENCE, PromptRun, profile_prediction, summarize, tokens_per_second
@@ -57,7 +57,7 @@ def parse_methods(spec: str) -> list[str]:
 
 
 def parse_verify(spec: str) -> list[str]:
-    return parse_choices(spec, "--verify", VERIFY_MODES)
+    return parse_choices(spec, "--verify", DRAFT_MODES)
 
 
 # ----- running -----

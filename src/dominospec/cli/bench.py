@@ -20,11 +20,11 @@ from ..bench.runner import (
     save_acceptance,
 )
 from ..data.prompts import check_prompt_file
-from ..decode.cost import auto_block_size, profile_verify_cost
 from ..drafter.checkpoint import ACCEPTANCE_NAME, is_shipped, sidecar_path
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
+from ..tune.profile import auto_block_size, profile_verify_cost
 from .common import (
     LOOKUP,
     add_sampling_args,
@@ -114,7 +114,6 @@ def cmd_bench(args) -> int:
         target,
         threshold=args.confidence_threshold,
         lookup_min_match=args.lookup_min_match,
-        greedy=sampling.greedy,
     )
     for n in notes:
         log(n)

@@ -7,12 +7,12 @@ from pathlib import Path
 from ..bench.report import plot_reliability
 from ..bench.runner import load_prompt_sets
 from ..data.prompts import check_prompt_file
-from ..decode.calibrate import calibrate, format_calibration, overall_ece, previous_cycles, write_calibration
 from ..drafter import Drafter
 from ..drafter.checkpoint import CALIBRATION_NAME, is_shipped
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
+from ..tune.calibrate import calibrate, format_calibration, overall_ece, previous_cycles, write_calibration
 from .common import add_sampling_args, add_target_args, require_at_least, sampling_from_args, target_from_args
 
 

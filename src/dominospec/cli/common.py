@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from ..decode.lookup import HYBRID_MIN_MATCH
-from ..decode.schedule import DEFAULT_THRESHOLD
+from ..decode.schedule import DEFAULT_THRESHOLD, DEFAULT_VERIFY, DRAFT_MODES, check_threshold, verify_mode_help
 from ..devices import default_threads
 from ..drafter import HEADS, Drafter, DrafterConfig, shipped_drafter_dir
 from ..errors import DominoError, flag
@@ -211,34 +211,33 @@ def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):
 
 
 LOOKUP = "lookup"  # --drafter lookup: prompt lookup alone, no trained drafter
+SHIPPED = "shipped"  # --drafter shipped: the drafter shipped for the bundled target
+NONE = "none"  # --drafter none: plain decoding
+
+# What `generate` and `serve` run without --drafter / --verify: prompt lookup alone with cost-scheduled
+# verification. On the held-out prompts/eval-* sets it measured best of every batch-1 configuration with
+# the shipped SmolLM2 drafter (1 thread, AMD EPYC, 2026-12-04: 1.3x over plain decoding at T=0, 1.1x at
+# T=1; the drafter with lookup 1.2x / 1.0x; docs/speed.md). A drafter that beats it changes this.
+DEFAULT_DRAFTER = LOOKUP
 
 
-def add_verify_args(p: argparse.ArgumentParser, several: bool = False, auto: bool = False) -> None:
-    """--verify, --confidence-threshold, --lookup-min-match (the verify-length policy and the lookup proposer).
-
-    auto: --verify also takes `auto` and defaults to it (cost where the proposer can be scheduled)."""
+def add_verify_args(p: argparse.ArgumentParser, several: bool = False, modes=DRAFT_MODES) -> None:
+    """--verify, --confidence-threshold, --lookup-min-match (the verify-length policy and the lookup proposer),
+    from the one table of verify modes (decode/schedule.py VERIFY_MODES). several: a comma list (bench)."""
     if several:
         p.add_argument(
             "--verify",
-            default="fixed,static,cost",
-            help="comma list of verify-length policies to run each drafter (and hybrid) with: fixed "
-            "(every draft), static (stop before the first slot under --confidence-threshold), "
-            "cost (draft and verify only where expected tokens/s rises; the device profile is measured on "
-            "first use); "
-            "static and cost are skipped for drafters without a confidence head (default %(default)s)",
+            default=",".join(modes),
+            help="comma list of verify-length policies to run each drafter (and hybrid) with. "
+            + verify_mode_help(modes)
+            + "; a mode a drafter cannot run is skipped with a note (default %(default)s)",
         )
     else:
         p.add_argument(
             "--verify",
-            default="auto" if auto else "fixed",
-            choices=("auto", "fixed", "static", "cost") if auto else ("fixed", "static", "cost"),
-            help="how many drafts to verify per cycle: fixed (all), static (stop before the first slot "
-            "whose calibrated confidence is under --confidence-threshold), cost (verify, and draft at "
-            "all, only where the expected tokens/s from the confidences and the device profile rise; "
-            "the profile is measured on first use); static and cost need a drafter with a confidence "
-            "head or prompt lookup"
-            + ("; auto = cost where that holds, else fixed" if auto else "")
-            + " (default %(default)s)",
+            default=None,
+            choices=modes,
+            help="how many drafts to verify per cycle. " + verify_mode_help(modes) + f" (default {DEFAULT_VERIFY})",
         )
     p.add_argument(
         "--confidence-threshold",
@@ -256,6 +255,6 @@ def add_verify_args(p: argparse.ArgumentParser, several: bool = False, auto: boo
 
 
 def check_verify_args(args) -> None:
-    if not 0 < args.confidence_threshold < 1:
-        raise DominoError(f"--confidence-threshold must be in (0, 1), got {args.confidence_threshold}")
-    require_at_least(args, 1, "lookup_min_match")
+    check_threshold(args.confidence_threshold)
+    if hasattr(args, "lookup_min_match"):
+        require_at_least(args, 1, "lookup_min_match")

@@ -6,13 +6,17 @@ import json
 import os
 import sys
 
-from ..decode import PromptLookup, generate_autoregressive, generate_speculative, make_policy
-from ..decode.cost import auto_block_size
+from ..decode import PromptLookup, generate_autoregressive, generate_speculative
+from ..decode.schedule import DEFAULT_VERIFY
 from ..errors import DominoError
 from ..log import log
 from ..targets.context import encode_if_fits
+from ..tune.policy import make_policy
+from ..tune.profile import auto_block_size
 from .common import (
+    DEFAULT_DRAFTER,
     LOOKUP,
+    SHIPPED,
     add_sampling_args,
     add_target_args,
     add_verify_args,
@@ -25,12 +29,6 @@ from .common import (
     warn_if_reduced_precision,
 )
 
-# What `generate` runs without --drafter: prompt lookup alone with cost-scheduled verification. On the
-# held-out prompts/eval-* sets it measured best of every configuration with the shipped SmolLM2 drafter
-# (1 thread, AMD EPYC, 2026-12-04: 1.3x over plain decoding at T=0, 1.1x at T=1; the drafter with lookup
-# 1.2x / 1.0x; docs/speed.md). A drafter that beats it (issue: a drafter with tau >= 2) changes this.
-DEFAULT_PROPOSER = LOOKUP
-SHIPPED = "shipped"
 # ANSI colours of the token sources in a terminal; the target's own tokens stay plain
 COLOURS = {"drafter": "\x1b[32m", "lookup": "\x1b[36m", "target": ""}
 RESET = "\x1b[0m"
@@ -51,7 +49,7 @@ def cmd_generate(args) -> int:
     require_at_least(args, 1, "max_new_tokens", *(["block_size"] if args.block_size != "auto" else []))
     check_verify_args(args)
     sampling = sampling_from_args(args)
-    choice = args.drafter or DEFAULT_PROPOSER
+    choice = args.drafter or DEFAULT_DRAFTER
     lookup_only = choice == LOOKUP and not args.no_draft
     if lookup_only and args.no_lookup:
         raise DominoError("--no-lookup leaves nothing to draft with: give --drafter shipped or --drafter DIR")
@@ -81,21 +79,17 @@ def cmd_generate(args) -> int:
             log("--block-size auto: prompt lookup has no acceptance table; using its default block size")
     hybrid = drafter is not None and not args.no_lookup  # the default: drafter + prompt lookup
     lookup = PromptLookup(min_match=args.lookup_min_match) if lookup_only or hybrid else None
-    verify = args.verify
-    if verify == "auto":  # cost wherever the proposer can be scheduled
-        schedulable = getattr(drafter, "confidence", None) is not None if drafter is not None else lookup is not None
-        verify = "cost" if schedulable else "fixed"
+    verify = args.verify or DEFAULT_VERIFY
     policy = None
     if drafter is not None or lookup is not None:
         policy = make_policy(
             verify,
             drafter,
             target,
-            args.confidence_threshold,
+            threshold=args.confidence_threshold,
             block_size=block_size,
             lookup=lookup is not None,
             report=log,
-            greedy=sampling.greedy,
         )
 
     def encode_chat(text):
@@ -247,6 +241,6 @@ def add_parser(sub) -> None:
         help="plain text even on a terminal (by default a terminal shows accepted drafter drafts in green and "
         "prompt-lookup copies in cyan; $NO_COLOR does the same)",
     )
-    add_verify_args(p, auto=True)
+    add_verify_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

@@ -66,7 +66,7 @@ def cmd_prepare(args) -> int:
         check_free_space(args.extend, need // 4, "--extend")
     target = target or target_from_args(args)
     if args.sampler is None:  # the faster one wherever the target runs natively
-        cfg = replace(cfg, sampler="slots" if getattr(target, "native", None) is not None else "batch")
+        cfg = replace(cfg, sampler="slots" if target.supports_rows else "batch")
     if args.extend:
         check_extendable(args.extend, target)
     capture = None

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..bench.report import format_device_profile, plot_device_profile
-from ..decode.cost import profile_device, save_profile
 from ..errors import DominoError
 from ..io import cache_dir, ensure_writable_dir, write_json_atomic
 from ..log import log
+from ..tune.profile import profile_device, save_profile
 from .common import add_target_args, resolve_drafter, target_from_args
 
 DEFAULT_CONTEXTS = "256,1024"

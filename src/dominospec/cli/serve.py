@@ -9,20 +9,22 @@ import os
 import socket
 from pathlib import Path
 
-from ..decode.schedule import DEFAULT_THRESHOLD
+import torch
+
+from ..decode.schedule import DEFAULT_THRESHOLD, DEFAULT_VERIFY, VERIFY_MODES, check_threshold, verify_mode_help
 from ..errors import DominoError
 from ..log import log
 from .common import (
+    DEFAULT_DRAFTER,
     LOOKUP,
+    NONE,
+    SHIPPED,
     add_target_args,
     require_at_least,
     resolve_drafter,
     target_from_args,
     warn_if_reduced_precision,
 )
-
-NONE = "none"  # --drafter none: plain decoding
-
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai")
 
@@ -47,11 +49,12 @@ def cmd_serve(args) -> int:
         log(f"serve: listening on {args.host} without --api-key: anyone who reaches this port can use the model")
     check_listen(args.host, args.port)  # a busy port or a bad host, before the model loads
     target = target_from_args(args)
-    lookup = args.drafter == LOOKUP
+    choice = args.drafter or DEFAULT_DRAFTER
+    lookup = choice == LOOKUP
     drafter = None
-    if args.drafter not in (LOOKUP, NONE) and args.verify != "plain":
-        drafter = resolve_drafter(target, args.drafter)
-    verify = args.verify or ("cost" if drafter is not None or lookup else "plain")
+    if choice not in (LOOKUP, NONE) and args.verify != "plain":
+        drafter = resolve_drafter(target, None if choice == SHIPPED else choice)
+    verify = args.verify or (DEFAULT_VERIFY if drafter is not None or lookup else "plain")
     if verify != "plain" and drafter is None and not lookup:
         raise DominoError(
             f"--verify {verify} drafts, but there is no drafter (none ships for {target.name!r}): "
@@ -80,6 +83,9 @@ def cmd_serve(args) -> int:
         f"serve: {target.name} ({mode}) on http://{args.host}:{args.port}/v1, {args.max_batch} slots of "
         f"{engine.max_len} positions, queue {args.max_queue}"
     )
+    # a request without a seed draws one from torch's global generator (decode/step.py make_generator):
+    # seeded from the OS here, so each server process answers such requests with fresh randomness
+    torch.seed()
     make_server(engine, target, config, host=args.host, port=args.port, log_level=args.log_level).run()
     log("serve: stopped")
     return 0
@@ -100,8 +106,7 @@ def check_serve_args(args) -> None:
             f"--max-len {args.max_len} leaves no room for a request: a cycle needs the prompt, the anchor and "
             f"--block-size {args.block_size} draft positions ({args.block_size + MIN_MAX_LEN} at least)"
         )
-    if not 0 < args.confidence_threshold < 1:
-        raise DominoError(f"--confidence-threshold must be in (0, 1), got {args.confidence_threshold}")
+    check_threshold(args.confidence_threshold)
     if not args.request_timeout > 0:
         raise DominoError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -168,17 +173,17 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--drafter",
         default=None,
-        help="drafter directory (default: the one shipped for the bundled target), lookup (prompt lookup "
-        "alone) or none (plain decoding)",
+        help=f"lookup (prompt lookup alone, no trained drafter; the default, as for `generate`), shipped (the "
+        f"drafter shipped for the bundled target), a drafter directory, or none (plain decoding) (default "
+        f"{DEFAULT_DRAFTER})",
     )
     p.add_argument(
         "--verify",
         default=None,
-        choices=("plain", "fixed", "static", "cost"),
-        help="verify-length policy over the batch: plain (no drafting), fixed (every draft), static "
-        "(confidence threshold), cost (DSpark's scheduler over the batch: drafts only while it pays, verifies "
-        "what the measured cost of a forward pays for; the device's cost table is measured on first use) "
-        "(default: cost with a drafter or lookup, plain without: under load it measured best, docs/engine.md)",
+        choices=tuple(VERIFY_MODES),
+        help="the verify-length policy over the batch. "
+        + verify_mode_help()
+        + f" (default: {DEFAULT_VERIFY} with a drafter or lookup, plain without)",
     )
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per cycle (default: the drafter's)")
     p.add_argument(

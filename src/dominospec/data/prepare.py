@@ -175,7 +175,7 @@ class FeatureCapture:
     def store(self, target, input_ids: list[int], states) -> None:
         per = dict(zip(self.layers(target), states.split(target.hidden_size, dim=-1)))  # layer -> [S, H]
         features = torch.cat([per[j] for j in self.layer_ids], dim=-1)
-        final = target.native.final_norm(per[target.num_layers - 1])
+        final = target.final_norm(per[target.num_layers - 1])
         self.cache.write(self.layer_ids, input_ids, features, final)
 
 
@@ -340,7 +340,7 @@ def prepare_data(
     """
     if capture and cfg.sampler != "slots":
         raise DominoError("--feature-cache: features are captured by the slots sampler only (--sampler slots)")
-    if cfg.sampler == "slots" and getattr(target, "native", None) is None:
+    if cfg.sampler == "slots" and not target.supports_rows:
         raise DominoError(
             f"--sampler slots needs the native forward, and target {target.name!r} runs on transformers' "
             "(--backend native, Llama-family models); or pass --sampler batch"

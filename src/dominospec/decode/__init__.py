@@ -1,20 +1,18 @@
-"""Decoding: proposals, verification, the batch-1 loops, and what verification costs.
+"""Decoding: the online step, for one row (the batch-1 loop) or many (the engine).
 
-result.py   GenerationResult and tau
-propose.py  Proposal and draft_block (drafter backbone + head rollout)
-step.py     one speculative step over explicit per-sequence state (propose, accept, commit, roll back)
-proposers.py  the proposer protocol (propose, then observe) for the drafter, prompt lookup and the hybrid
-single.py   generate_autoregressive / generate_speculative at batch 1
-cost.py     the verify-cost profile of a target on this device
-schedule.py the verify-length policies (fixed, static, cost) and the STS temperatures they read
-lookup.py   the prompt-lookup proposer (alone, or as a hybrid with a drafter)
-calibrate.py  confidence records from live rollouts and the Sequential Temperature Scaling fit
+result.py     GenerationResult, tau (tokens per cycle) and the tau to expect from an acceptance curve
+rollout.py    Proposal and the drafter's rollout (draft_block, draft_rows)
+lookup.py     the prompt-lookup index (alone, or as a hybrid with a drafter)
+proposers.py  the proposer protocol (propose, then observe): plain, drafter, lookup, hybrid
+schedule.py   the verify modes, the verify-length policies (fixed, static, cost) and what a step costs
+step.py       one step for any number of rows (plan, one target forward, accept, roll back, commit)
+single.py     generate_autoregressive / generate_speculative at batch 1: prefill, then the step until done
 """
 
 from .lookup import PromptLookup
-from .propose import Proposal, draft_block
 from .result import GenerationResult, tokens_per_cycle
-from .schedule import VERIFY_MODES, CostTable, VerifyPolicy, make_policy
+from .rollout import Proposal, draft_block
+from .schedule import VERIFY_MODES, CostTable, VerifyPolicy
 from .single import generate_autoregressive, generate_speculative
 
 __all__ = [
@@ -28,5 +26,4 @@ __all__ = [
     "VERIFY_MODES",
     "CostTable",
     "VerifyPolicy",
-    "make_policy",
 ]

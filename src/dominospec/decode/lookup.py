@@ -20,7 +20,7 @@ import torch
 
 from ..errors import DominoError
 from ..sampling import SamplingConfig
-from .propose import Proposal
+from .rollout import Proposal
 
 LOOKUP_BLOCK_SIZE = 8  # drafts per cycle of the lookup proposer alone
 HYBRID_MIN_MATCH = 3  # a hybrid takes the lookup continuation from a suffix match this long

@@ -1,18 +1,23 @@
-"""Proposers: who drafts for a sequence, and what each learns from the outcome.
+"""Proposers: who drafts for a row, and what each learns from the outcome.
 
 The protocol (as transformers' candidate generators: propose, then be told what happened):
 
-  claim(seq, slot)     a new sequence; `slot` is its row in a per-row cache (0 at batch 1)
-  extend(seq, feats)   the target's features of the prompt, chunk by chunk: [1, S, n*H]
-  propose(seqs, rooms) -> one Proposal (or None: nothing to propose) per sequence, all at once
+  claim(seq)                  a new row (seq.slot: its row in a per-row cache, 0 at batch 1)
+  extend(seq, feats)          the target's features of the prompt, chunk by chunk: [1, S, n*H]
+  propose(seqs, rooms, draft) -> one Proposal (or None: nothing to propose) per row, all at once;
+                              draft=False: the policy skips the drafter pass this step (copies still go)
   observe(seq, proposal, verified, accepted, feats)
-                       the cycle's outcome; feats [1, n+1, n*H] of the newly committed positions
-  release(seq, slot)   the sequence ended
+                              the outcome, after the commit (also once after the first token, with no
+                              proposal); feats [1, n+1, n*H] of the newly committed positions
+  release(seq)                the row ended
 
-Three proposers: the drafter (one backbone pass for every sequence, one batched head rollout),
-prompt lookup (each sequence copies from its own history; its running acceptance is its
-confidence), and the hybrid (the lookup where its suffix match is long enough, the drafter for
-the rest, in the same call). A sequence's lookup index lives on its SeqState.
+and what the step reads: block_size, needs_features (the target forward computes features for it),
+drafter_pass (a skip decision applies), counts_cycles (its steps are draft cycles, for tau).
+
+Four proposers: plain (proposes nothing: plain decoding), the drafter (one backbone pass for every
+row, one batched head rollout), prompt lookup (each row copies from its own history; its running
+acceptance is its confidence), and the hybrid (the lookup where its suffix match is long enough, the
+drafter for the rest, in the same call). A row's lookup index lives on its SeqState.
 """
 
 from __future__ import annotations
@@ -21,36 +26,59 @@ import torch
 
 from ..drafter.model import DraftCache
 from ..errors import DominoError
-from .lookup import LOOKUP_BLOCK_SIZE
-from .propose import Proposal, draft_block, draft_rows
+from .lookup import LOOKUP_BLOCK_SIZE, PromptLookup
+from .rollout import Proposal, draft_block, draft_rows
 from .step import SeqState
 
 PENDING = "draft_pending"  # SeqState.extra: target features not yet in the drafter's cache
 
 
+class PlainProposer:
+    """Proposes nothing: every step is one plain decode step (k = 0)."""
+
+    block_size = 0
+    bytes_per_row = 0
+    needs_features = drafter_pass = counts_cycles = False
+
+    def claim(self, seq: SeqState) -> None:
+        pass
+
+    def release(self, seq: SeqState) -> None:
+        pass
+
+    def extend(self, seq: SeqState, features) -> None:
+        pass
+
+    def propose(self, seqs, rooms, draft: bool = True) -> list[Proposal | None]:
+        return [None] * len(seqs)
+
+    def observe(self, seq, proposal, verified, accepted, features) -> None:
+        pass
+
+
 class DrafterProposer:
-    def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True, draft_one=None):
-        """rows: a per-row draft cache (drafter.new_row_cache) for many sequences; None at batch 1.
-        draft_one: how one sequence's block is drafted (default propose.draft_block)."""
+    needs_features = drafter_pass = counts_cycles = True
+
+    def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True):
+        """rows: a per-row draft cache (drafter.new_row_cache) for many sequences; None at batch 1."""
         self.drafter, self.block_size, self.rows, self.use_head = drafter, block_size, rows, use_head
-        self.draft_one = draft_one or draft_block
-        # without a confidence head, the engine's policies read the draft's own top probability
-        self.top = rows is not None and getattr(drafter, "confidence", None) is None
+        # without a confidence head, the policies read the draft's own top probability
+        self.top = getattr(drafter, "confidence", None) is None
 
     @property
     def bytes_per_row(self) -> int:
         return self.rows.bytes_per_row if self.rows is not None else 0
 
-    def claim(self, seq: SeqState, slot: int = 0) -> None:
+    def claim(self, seq: SeqState) -> None:
         if self.rows is None:
             seq.draft_cache = self.drafter.new_cache()
         else:
-            self.rows.claimed[slot], self.rows.lengths[slot] = True, 0
-            seq.draft_cache = DraftCache(self.rows, slot)
+            self.rows.claimed[seq.slot], self.rows.lengths[seq.slot] = True, 0
+            seq.draft_cache = DraftCache(self.rows, seq.slot)
 
-    def release(self, seq: SeqState, slot: int = 0) -> None:
+    def release(self, seq: SeqState) -> None:
         if self.rows is not None:
-            self.rows.release(slot)
+            self.rows.release(seq.slot)
         seq.draft_cache = None
         seq.extra.pop(PENDING, None)
 
@@ -64,10 +92,10 @@ class DrafterProposer:
         if pending:
             self.drafter.extend_cache(seq.draft_cache, pending[0] if len(pending) == 1 else torch.cat(pending, 1))
 
-    def propose(self, seqs: list[SeqState], rooms: list[int]) -> list[Proposal | None]:
+    def propose(self, seqs: list[SeqState], rooms: list[int], draft: bool = True) -> list[Proposal | None]:
         live = [i for i, b in enumerate(rooms) if b > 0]
         out: list[Proposal | None] = [None] * len(seqs)
-        if not live:
+        if not live or not draft:
             return out
         for i in live:
             self._flush(seqs[i])
@@ -76,7 +104,8 @@ class DrafterProposer:
             i = live[0]
             s = seqs[i]
             anchor = torch.tensor([s.anchor], device=dev)
-            out[i] = self.draft_one(
+            # this module's draft_block, looked up per call (tests wrap it)
+            out[i] = draft_block(
                 self.drafter, s.draft_cache, anchor, rooms[i], s.sampling, s.gen, self.use_head, self.top
             )
             return out
@@ -97,39 +126,53 @@ class DrafterProposer:
         return out
 
     def observe(self, seq: SeqState, proposal, verified: int, accepted: int, features: torch.Tensor) -> None:
-        self.extend(seq, features)  # the anchor and the accepted drafts
+        if features is not None:
+            self.extend(seq, features)  # the anchor and the accepted drafts
 
 
 class LookupProposer:
-    """Each sequence copies the continuation of its own latest earlier n-gram match (seq.lookup)."""
+    """Each row copies the continuation of its own latest earlier n-gram match (seq.lookup), and learns
+    from each outcome: the index takes the committed tokens, the running acceptance the verdict."""
 
     bytes_per_row = 0
+    needs_features = drafter_pass = False
+    counts_cycles = True
 
     def __init__(self, vocab_size: int, block_size: int = LOOKUP_BLOCK_SIZE, device=None):
         self.vocab_size, self.block_size, self.device = vocab_size, block_size, device
 
-    def claim(self, seq: SeqState, slot: int = 0) -> None:
+    def claim(self, seq: SeqState) -> None:
         if seq.lookup is None:
-            raise DominoError("a lookup sequence needs its PromptLookup (SeqState.lookup)")
+            seq.lookup = PromptLookup()
+        seq.lookup.start([])
 
-    def release(self, seq: SeqState, slot: int = 0) -> None:
+    def release(self, seq: SeqState) -> None:
         pass
 
     def extend(self, seq: SeqState, features) -> None:
-        pass  # the prompt is indexed when the first token is committed (step.start)
+        pass  # the prompt is indexed when the first token is committed (observe)
 
-    def propose(self, seqs: list[SeqState], rooms: list[int]) -> list[Proposal | None]:
-        return [s.lookup.propose(b, self.vocab_size, s.sampling, self.device)[0] for s, b in zip(seqs, rooms)]
+    def propose(self, seqs: list[SeqState], rooms: list[int], draft: bool = True) -> list[Proposal | None]:
+        return [p for p, _ in self.matches(seqs, rooms)]
 
     def matches(self, seqs: list[SeqState], rooms: list[int]) -> list[tuple[Proposal | None, int]]:
         return [s.lookup.propose(b, self.vocab_size, s.sampling, self.device) for s, b in zip(seqs, rooms)]
 
-    def observe(self, seq, proposal, verified, accepted, features) -> None:
-        pass  # step.commit records the outcome and extends the index
+    def observe(self, seq: SeqState, proposal, verified, accepted, features) -> None:
+        if proposal is not None and proposal.source == "lookup":
+            seq.lookup.record(verified, accepted)
+            seq.res.lookup_cycles += 1
+        lookup, seen, P = seq.lookup, len(seq.lookup.history), len(seq.prompt)  # index what was committed since
+        if seen < P:
+            lookup.extend(seq.prompt[seen:])
+            seen = P
+        lookup.extend(seq.tokens[seen - P :])
 
 
 class HybridProposer:
     """The lookup's copy where its suffix match has at least lookup.min_match tokens, else the drafter."""
+
+    needs_features = drafter_pass = counts_cycles = True
 
     def __init__(self, drafter: DrafterProposer, lookup: LookupProposer):
         self.drafter, self.lookup, self.block_size = drafter, lookup, drafter.block_size
@@ -138,31 +181,29 @@ class HybridProposer:
     def bytes_per_row(self) -> int:
         return self.drafter.bytes_per_row
 
-    def claim(self, seq, slot=0):
-        self.lookup.claim(seq, slot)
-        self.drafter.claim(seq, slot)
+    def claim(self, seq):
+        self.lookup.claim(seq)
+        self.drafter.claim(seq)
 
-    def release(self, seq, slot=0):
-        self.drafter.release(seq, slot)
+    def release(self, seq):
+        self.drafter.release(seq)
 
     def extend(self, seq, features):
         self.drafter.extend(seq, features)
 
-    def copies(self, seqs, rooms) -> list[Proposal | None]:
-        """The lookup's proposals alone (None where its match is too short): a cycle without the drafter."""
+    def propose(self, seqs, rooms, draft: bool = True):
+        """The lookup's copies, and the drafter's blocks for the rest (none while the policy skips it)."""
         found = self.lookup.matches(seqs, rooms)
-        return [p if p is not None and n >= s.lookup.min_match else None for s, (p, n) in zip(seqs, found)]
-
-    def propose(self, seqs, rooms):
-        take = self.copies(seqs, rooms)
+        take = [p if p is not None and n >= s.lookup.min_match else None for s, (p, n) in zip(seqs, found)]
         rest = [i for i, p in enumerate(take) if p is None]
-        if rest:
+        if rest and draft:
             drafted = self.drafter.propose([seqs[i] for i in rest], [rooms[i] for i in rest])
             for i, p in zip(rest, drafted):
                 take[i] = p
         return take
 
     def observe(self, seq, proposal, verified, accepted, features):
+        self.lookup.observe(seq, proposal, verified, accepted, features)
         self.drafter.observe(seq, proposal, verified, accepted, features)
 
 
@@ -182,22 +223,22 @@ def block_size_for(drafter, block_size: int | None) -> int:
 def make_proposer(
     drafter,
     lookup: bool,
-    block_size: int | None,
+    block_size: int | None = None,
     rows: int | None = None,
     max_len: int = 0,
     use_head: bool = True,
     vocab_size: int | None = None,
     device=None,
-    draft_one=None,
 ):
-    """The proposer for a drafter, lookup, or both; rows = slots of a per-row draft cache (None: batch 1)."""
+    """The proposer for a drafter, lookup, both, or neither (plain decoding); rows = slots of a per-row
+    draft cache (None: batch 1)."""
     if drafter is None and not lookup:
-        raise DominoError("speculative decoding needs a drafter, prompt lookup, or both")
+        return PlainProposer()
     b = block_size_for(drafter, block_size)
     dp = None
     if drafter is not None:
         cache = drafter.new_row_cache(rows, max_len) if rows is not None else None
-        dp = DrafterProposer(drafter, b, cache, use_head, draft_one)
+        dp = DrafterProposer(drafter, b, cache, use_head)
         vocab_size = vocab_size or drafter.config.vocab_size
     if not lookup:
         return dp

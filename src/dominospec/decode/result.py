@@ -21,9 +21,19 @@ SOURCES = ("drafter", "lookup", "target")
 
 
 def tokens_per_cycle(committed: Sequence[int]) -> float:
-    """tau: tokens committed per cycle, bonus included. A run without draft cycles commits one
-    token per target step, so its tau is 1.0."""
+    """tau, the one definition: tokens committed per cycle (accepted drafts + the target's own token, cut
+    at EOS and the budget). A run without draft cycles commits one token per target step: tau 1.0."""
     return sum(committed) / len(committed) if committed else 1.0
+
+
+def expected_tokens(acceptance: Sequence[float], b: int) -> float:
+    """The tau to expect for b drafts: 1 + sum_k prod_{i<=k} p_i, with p_i the conditional acceptance at
+    position i (before any EOS or budget cut)."""
+    tau, survive = 1.0, 1.0
+    for p in list(acceptance)[:b]:
+        survive *= p
+        tau += survive
+    return tau
 
 
 @dataclass

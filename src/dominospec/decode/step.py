@@ -1,35 +1,45 @@
-"""One speculative step over explicit per-sequence state, shared by the batch-1 loop and the engine.
+"""One speculative step for any number of rows: the batch-1 loop runs it for one, the engine for many.
 
-A `SeqState` is everything one sequence carries between steps: its prompt, budget, sampling
-settings and generator, EOS ids, committed tokens and per-cycle records. The step around it:
+A row (`SeqState`) is everything one sequence carries between steps: its prompt, budget, sampling
+settings and generator, EOS ids, committed tokens and per-cycle records, its cache slot. One `step`:
 
-  1. propose   a Proposer (proposers.py) drafts for some sequences at once
-  2. cut       the verify-length policy picks k <= len(proposal) from drafts and confidences only
-  3. verify    the caller runs the target over [anchor, d_1..d_k] (batch 1, or one ragged forward)
-  4. accept    `accept`: greedy exact match, or rejection sampling with the sequence's own generator
-  5. commit    `commit`: cut at EOS / budget, record the cycle, tell the proposer; the caller rolls its
-               target cache back to `rollback_length` (anchor + accepted drafts kept)
+  1. plan      rooms (drafts that fit the context), the policy's skip decision (earlier steps only), the
+               proposer's proposals, the policy's verify lengths k: a `StepPlan`, before the target runs
+  2. verify    ONE target forward over [anchor, d_1..d_k] of every row (ragged: row r appends k_r + 1)
+  3. accept    greedy rows: one argmax over the batch; sampled rows: rejection sampling, each with its
+               own generator, in row order
+  4. roll back each row's cache keeps its context, anchor and accepted drafts
+  5. commit    accepted drafts + the target's token, cut at EOS / budget; the proposer and the policy
+               observe the outcome
 
-Plain decoding is the same step with k = 0: accepting zero drafts samples the target's token from
-warp_probs(logits[0]) with the same generator draw as `generate_autoregressive`.
+Plain decoding is the same step with a proposer that proposes nothing (k = 0): accepting zero drafts
+samples the target's token from warp_probs(logits[0]) with the same generator draw as a plain loop.
+The target side is a `TargetSide`: `OneCache` (one sequence, any backend) or `RowCache` (the slots of
+one preallocated cache, where the target supports rows).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..devices import synchronize
 from ..sampling import SamplingConfig, accept_greedy, accept_rejection, sample, warp_probs
 from .lookup import PromptLookup
-from .propose import Proposal
 from .result import GenerationResult
+from .rollout import Proposal
 
 
 def make_generator(seed: int | None, device) -> torch.Generator:
+    """A row's own random stream. seed None (everywhere: API, engine, server, transformers hook): a seed
+    drawn from torch's global generator, so torch.manual_seed makes a run repeatable."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
     gen = torch.Generator(device=device)
-    gen.manual_seed(0 if seed is None else int(seed))
+    gen.manual_seed(int(seed))
     return gen
 
 
@@ -50,7 +60,7 @@ def truncate(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], bo
 
 @dataclass
 class SeqState:
-    """One sequence between steps. tokens[-1] is the anchor: committed, not yet in the target cache."""
+    """One row between steps. tokens[-1] is the anchor: committed, not yet in the target cache."""
 
     prompt: list[int]
     budget: int  # max new tokens
@@ -58,10 +68,13 @@ class SeqState:
     gen: torch.Generator
     eos: set[int]
     res: GenerationResult = None  # tokens and per-cycle records
-    lookup: PromptLookup | None = None  # this sequence's own lookup index (lookup / hybrid)
-    draft_cache: object = None  # this sequence's drafter cache row (drafter / hybrid)
+    lookup: PromptLookup | None = None  # this row's own lookup index (lookup / hybrid)
+    slot: int = 0  # its row in the target (and drafter) cache
+    prefilled: int = 0  # prompt tokens already in the target cache
+    draft_cache: object = None  # this row's drafter cache (drafter / hybrid)
+    speculative: bool = True  # False: this row proposes nothing (plain decoding in any batch)
     done: bool = False
-    extra: dict = field(default_factory=dict)  # the caller's own per-sequence data
+    extra: dict = field(default_factory=dict)  # a proposer's own per-row data
 
     def __post_init__(self):
         if self.res is None:
@@ -80,58 +93,117 @@ class SeqState:
     def anchor(self) -> int:
         return self.res.tokens[-1]
 
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt) and not self.done
+
     def room(self, block_size: int, limit: int | None) -> int:
-        """Drafts this cycle may propose: the verify block must stay inside the context `limit`."""
+        """Drafts this step may propose: the verify block must stay inside the context `limit`."""
+        if not self.speculative:
+            return 0
         return block_size if limit is None else max(0, min(block_size, limit - self.committed_len))
 
 
-def start(seq: SeqState, logits_row: torch.Tensor) -> list[int]:
-    """After the prompt's forward: draw and commit the first token (logits_row [V])."""
+# ----- the target side: one sequence, or the rows of one cache -----
+
+
+class OneCache:
+    """One sequence in one cache, through target.forward / crop_cache (any backend): the batch-1 loop's."""
+
+    def __init__(self, target, max_len: int):
+        self.target, self.cache = target, target.new_cache(max_len=max_len)
+
+    def forward(self, ids, num_new=None, start=0, logits="all", layer_ids=None, with_features=False):
+        """ids [1, S] after the cached prefix -> logits [1, S, V] ("all") or [1, 1, V] ("last", "none")."""
+        return self.target.forward(
+            ids, self.cache, last_logits_only=logits != "all", layer_ids=layer_ids, with_features=with_features
+        )
+
+    def set_length(self, slot: int, length: int) -> None:
+        self.target.crop_cache(self.cache, length)
+
+
+class RowCache:
+    """Sequences in the fixed slots of one preallocated cache (targets with `supports_rows`): the engine's."""
+
+    def __init__(self, target, slots: int, max_len: int):
+        self.target, self.cache = target, target.new_row_cache(slots, max_len)  # DominoError without rows
+
+    def forward(self, ids, num_new=None, start=0, logits="all", layer_ids=None, with_features=False):
+        """ids [R, S] over slots start..start+R-1, row r appending its first num_new[r] -> logits [R, S, V]."""
+        return self.target.forward_rows(ids, self.cache, num_new, start, logits, layer_ids, with_features)
+
+    def set_length(self, slot: int, length: int) -> None:
+        self.target.set_row_length(self.cache, slot, length)
+
+
+# ----- prefill: a prompt chunk, and the first token when the prompt is in -----
+
+
+def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> torch.Tensor | None:
+    """The next n prompt tokens of `seq` into its cache slot; when that completes the prompt, the logits
+    after it ([V], for `commit_first`), else None."""
+    dev = side.target.device
+    last = seq.prefilled + n == len(seq.prompt)
+    ids = torch.tensor([seq.prompt[seq.prefilled : seq.prefilled + n]], device=dev)  # [1, n]
+    feats = proposer.needs_features
+    out = side.forward(ids, start=seq.slot, logits="last" if last else "none", layer_ids=layer_ids, with_features=feats)
+    if feats:
+        proposer.extend(seq, out.features)
+    seq.prefilled += n
+    return out.logits[0, -1] if last else None
+
+
+def commit_first(seq: SeqState, logits_row: torch.Tensor, proposer) -> list[int]:
+    """After the prompt: draw and commit the first token (logits_row [V]); the proposer observes it."""
     tok = first_token(logits_row, seq.sampling, seq.gen)
-    if seq.lookup is not None:
-        seq.lookup.start(seq.prompt)
-        seq.lookup.extend([tok])
     seq.res.tokens.append(tok)
     seq.res.sources.append("target")
     seq.done = tok in seq.eos or seq.budget <= 1
+    proposer.observe(seq, None, 0, 0, None)  # the first token is committed (prompt lookup indexes it)
     return [tok]
 
 
-def accept(
-    seq: SeqState, proposal: Proposal | None, k: int, logits: torch.Tensor, rejection=accept_rejection
-) -> tuple[int, int]:
-    """(accepted drafts n, the target's next token) for the first k drafts; logits [k+1, V].
-    rejection: the sampling rule (tests swap in a wrong one to show the distribution tests catch it)."""
-    drafts = proposal.drafts[:k] if proposal is not None else logits.new_zeros(0, dtype=torch.long)
-    if seq.sampling.greedy:
-        return accept_greedy(drafts, logits)
-    draft_probs = proposal.draft_probs[:k] if proposal is not None else logits[:0]
-    return rejection(drafts, draft_probs, warp_probs(logits, seq.sampling), seq.gen)
+# ----- one step -----
 
 
-def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int) -> list[int]:
-    """Commit accepted drafts + the target's token (cut at EOS / budget) and record the cycle."""
-    drafts = proposal.drafts[:n].tolist() if proposal is not None else []
-    new, seq.done = truncate(drafts + [nxt], seq.eos, seq.budget - len(seq.res.tokens))
-    res = seq.res
-    if proposal is not None and proposal.source == "lookup":
-        seq.lookup.record(k, n)
-        res.lookup_cycles += 1
-    res.cycles += 1
-    res.accepted.append(n)
-    res.verified.append(k)
-    res.committed.append(len(new))
-    res.tokens.extend(new)
-    res.sources.extend(([proposal.source] * n if proposal is not None else []) + ["target"])
-    del res.sources[len(res.tokens) :]  # the cut at EOS / budget
-    if seq.lookup is not None:
-        seq.lookup.extend(new)
-    return new
+@dataclass
+class StepPlan:
+    """What one step does, decided before the target runs."""
+
+    rows: list[SeqState]  # [R] decoding rows, in slot order
+    rooms: list[int]  # [R] drafts each row may propose (its verify block stays inside the context)
+    draft: bool  # the drafter runs this step (the policy's skip decision, from earlier steps only)
+    proposals: list[Proposal | None]  # [R] None: nothing proposed, a plain decode step for that row
+    verify: list[int]  # [R] k_r: drafts the target checks
+
+    @property
+    def num_new(self) -> list[int]:
+        """[R] tokens each row's forward appends: the anchor and k_r drafts."""
+        return [k + 1 for k in self.verify]
 
 
-def rollback_length(committed_len_before: int, n: int) -> int:
-    """Target cache length after a cycle: the context, the anchor and the n accepted drafts."""
-    return committed_len_before + n
+@dataclass
+class StepResult:
+    plan: StepPlan
+    accepted: list[int]  # [R] n_r: drafts the target accepted (before any EOS / budget cut)
+    new: list[list[int]]  # [R] tokens committed per row
+    errors: list[Exception | None]  # [R] a row whose sampling failed: nothing committed, its cache rolled back
+    draft_s: float = 0.0  # proposing, choosing k, the proposer's observe (timed steps only)
+    verify_s: float = 0.0  # the target forward, acceptance and rollback (timed steps only)
+
+
+def plan_step(rows: Sequence[SeqState], proposer, policy, limit: int | None) -> StepPlan:
+    """Rooms, the skip decision, proposals and verify lengths for these rows: everything but the forward."""
+    rooms = [r.room(proposer.block_size, limit) for r in rows]  # [R]
+    draft = not proposer.drafter_pass or policy.wants_draft(rows)
+    proposals = proposer.propose(rows, rooms, draft)  # [R]
+    if not draft:
+        for r, p in zip(rows, proposals):
+            if p is None:
+                r.res.draft_skipped += 1
+    verify = policy.verify_lengths(proposals, rows)  # [R], never from the target's verdict
+    return StepPlan(list(rows), rooms, draft, proposals, verify)
 
 
 def block_tokens(seq: SeqState, proposal: Proposal | None, k: int, device) -> torch.Tensor:
@@ -143,7 +215,119 @@ def block_tokens(seq: SeqState, proposal: Proposal | None, k: int, device) -> to
 def pad_blocks(blocks: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, list[int]]:
     """Ragged blocks -> (ids [R, S] right-padded, lengths [R])."""
     lens = [int(b.shape[0]) for b in blocks]
+    if len(blocks) == 1:  # one row (the batch-1 loop): nothing to pad
+        return blocks[0][None], lens
     ids = torch.full((len(blocks), max(lens)), pad, dtype=torch.long, device=blocks[0].device)
     for r, b in enumerate(blocks):
         ids[r, : lens[r]] = b
     return ids, lens
+
+
+def accept(seq: SeqState, proposal: Proposal | None, k: int, logits: torch.Tensor) -> tuple[int, int]:
+    """(accepted drafts n, the target's next token) for the first k drafts of one row; logits [k+1, V].
+    The rule is this module's `accept_rejection`, looked up per call (tests swap in a wrong one)."""
+    drafts = proposal.drafts[:k] if proposal is not None else logits.new_zeros(0, dtype=torch.long)
+    if seq.sampling.greedy:
+        return accept_greedy(drafts, logits)
+    draft_probs = proposal.draft_probs[:k] if proposal is not None else logits[:0]
+    return accept_rejection(drafts, draft_probs, warp_probs(logits, seq.sampling), seq.gen)
+
+
+def accept_rows(plan: StepPlan, logits: torch.Tensor, first_slot: int) -> tuple[list, list, list]:
+    """(n [R], next token [R], error [R]) for every row of the plan; logits [R', S, V] over slots first_slot...
+
+    Greedy rows read one argmax over the whole batch; sampled rows are rejection-sampled one by one with
+    their own generators, in row order (so a row draws exactly what it would alone). A row whose sampling
+    raises gets its exception in `error` (n, token None): it fails alone, the other rows go on."""
+    greedy = [r.sampling.greedy for r in plan.rows]
+    choice = logits.argmax(-1).tolist() if any(greedy) else None  # [R', S] the target's own picks
+    ns, nxts, errors = [], [], []
+    for r, p, k, g in zip(plan.rows, plan.proposals, plan.verify, greedy):
+        i = r.slot - first_slot
+        if g:
+            picks = choice[i]
+            drafts = p.drafts[:k].tolist() if k else []
+            n = 0
+            while n < k and picks[n] == drafts[n]:
+                n += 1
+            ns.append(n)
+            nxts.append(picks[n])
+            errors.append(None)
+        else:
+            try:
+                n, nxt, err = *accept(r, p, k, logits[i, : k + 1]), None
+            except Exception as exc:  # e.g. a distribution torch cannot sample from
+                n, nxt, err = None, None, exc
+            ns.append(n)
+            nxts.append(nxt)
+            errors.append(err)
+    return ns, nxts, errors
+
+
+def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int, cycle: bool = True) -> list[int]:
+    """Commit accepted drafts + the target's token (cut at EOS / budget); `cycle`: record it as a draft cycle
+    (a plain proposer's steps are not cycles: its tau stays None)."""
+    drafts = proposal.drafts[:n].tolist() if proposal is not None else []
+    new, seq.done = truncate(drafts + [nxt], seq.eos, seq.budget - len(seq.res.tokens))
+    res = seq.res
+    if cycle:
+        res.cycles += 1
+        res.accepted.append(n)
+        res.verified.append(k)
+        res.committed.append(len(new))
+    res.tokens.extend(new)
+    res.sources.extend(([proposal.source] * n if proposal is not None else []) + ["target"])
+    del res.sources[len(res.tokens) :]  # the cut at EOS / budget
+    return new
+
+
+def step(
+    rows: Sequence[SeqState],
+    proposer,
+    policy,
+    side,
+    limit: int | None,
+    layer_ids: Sequence[int] | None = None,
+    timed: bool = False,
+) -> StepResult:
+    """One step of every row in `rows` (decoding, in slot order): see the module doc.
+
+    side: OneCache (one row) or RowCache; limit: the context no verify block may pass (None: unknown);
+    timed: synchronize the device around the phases and report draft_s / verify_s."""
+    dev = side.target.device
+    t0 = _clock(dev, timed)
+    plan = plan_step(rows, proposer, policy, limit)
+    t1 = _clock(dev, timed)
+    lo = plan.rows[0].slot
+    blocks = [torch.zeros(1, dtype=torch.long, device=dev)] * (plan.rows[-1].slot + 1 - lo)  # idle slots: 0 new
+    num_new = [0] * len(blocks)  # [R'] over slots lo..hi
+    for r, p, k in zip(plan.rows, plan.proposals, plan.verify):
+        blocks[r.slot - lo] = block_tokens(r, p, k, dev)
+        num_new[r.slot - lo] = k + 1
+    ids, _ = pad_blocks(blocks)  # [R', S]
+    feats = proposer.needs_features
+    out = side.forward(ids, num_new, start=lo, layer_ids=layer_ids, with_features=feats)  # logits [R', S, V]
+    accepted, nxts, errors = accept_rows(plan, out.logits, lo)
+    for r, n in zip(plan.rows, accepted):  # keep the context, the anchor and the accepted drafts
+        side.set_length(r.slot, r.committed_len + (n or 0))
+    t2 = _clock(dev, timed)
+    new = []
+    for r, p, k, n, nxt in zip(plan.rows, plan.proposals, plan.verify, accepted, nxts):
+        if n is None:  # its sampling failed: nothing committed
+            new.append([])
+            continue
+        new.append(commit(r, p, k, n, nxt, proposer.counts_cycles))
+        if not r.speculative:  # a plain row never drafts: the proposer needs nothing from it
+            continue
+        i = r.slot - lo
+        proposer.observe(r, p, k, n, out.features[i : i + 1, : n + 1] if feats else None)  # [1, n+1, F]
+        if p is not None:
+            policy.observe(p, k, n)
+    t3 = _clock(dev, timed)
+    return StepResult(plan, accepted, new, errors, (t1 - t0) + (t3 - t2), t2 - t1)
+
+
+def _clock(device, timed: bool) -> float:
+    if timed:
+        synchronize(device)
+    return time.perf_counter()

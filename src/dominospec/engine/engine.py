@@ -6,10 +6,9 @@ One `step()`:
   3. prefill  up to `prefill_chunk` prompt tokens, one row at a time, unpadded (a long prompt takes
               several steps, so running rows are never stalled for long); a finished prompt draws
               its first token
-  4. decode   proposals for every running row in one proposer call (none for "plain"), the policy's
-              verify length per row, ONE ragged target forward over [anchor, d_1..d_k] of every row,
-              acceptance per row with that request's own generator, commit, per-row rollback, free
-              finished rows
+  4. decode   the shared step (decode/step.py) over every decoding row: proposals in one proposer call
+              (a plain proposer proposes nothing), the policy's verify lengths, ONE ragged target forward,
+              acceptance with each request's own generator, per-row rollback, commit; finished rows leave
 
 A request's output never depends on the batch: each row's block is causal over its own cache row
 only, and every random draw comes from the request's own torch.Generator (in the same order as the
@@ -25,16 +24,16 @@ from collections import deque
 
 import torch
 
-from ..decode.lookup import PromptLookup
 from ..decode.proposers import make_proposer
-from ..decode.schedule import make_batch_policy
-from ..decode.step import SeqState, accept, block_tokens, commit, pad_blocks, rollback_length, start
+from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, check_verify_mode
+from ..decode.step import RowCache, SeqState, commit_first, make_generator, prefill, step
 from ..devices import release_openmp_workers
 from ..errors import DominoError
+from ..tune.policy import make_policy
 from .memory import check_slots_fit
 from .request import EngineFull, EngineRequest, RequestHandle, RequestResult
 
-POLICIES = ("plain", "fixed", "static", "cost")
+POLICIES = tuple(VERIFY_MODES)
 DEFAULT_MAX_LEN = 2048
 
 
@@ -44,12 +43,7 @@ class _Row:
     def __init__(self, handle: RequestHandle, req: EngineRequest, seq: SeqState, submitted: float):
         self.handle, self.req, self.seq = handle, req, seq
         self.slot = -1
-        self.prefilled = 0  # prompt tokens already in the target cache
         self.submitted, self.admitted, self.first = submitted, None, None
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled == len(self.seq.prompt) and not self.seq.done
 
 
 class Engine:
@@ -68,8 +62,7 @@ class Engine:
         costs=None,
         threshold: float | None = None,
     ):
-        if policy not in POLICIES:
-            raise DominoError(f"engine policy {policy!r}: choose from {', '.join(POLICIES)}")
+        check_verify_mode(policy, "engine policy")
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise DominoError(
                 f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1, "
@@ -84,30 +77,33 @@ class Engine:
             raise DominoError(f"engine max_len {self.max_len} exceeds the target's context of {limit} positions")
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         check_slots_fit(target, self.drafter, max_batch, self.max_len)  # before allocating: say what fits
-        self.cache = target.new_row_cache(max_batch, self.max_len)  # DominoError off the native backend
+        self.side = RowCache(target, max_batch, self.max_len)  # DominoError without target.supports_rows
+        self.cache = self.side.cache
         self.use_lookup = lookup and policy != "plain"
-        self.proposer = None
-        self.block_size = 0
-        if policy != "plain":
-            self.proposer = make_proposer(
-                self.drafter,
-                self.use_lookup,
-                block_size,
-                max_batch,
-                self.max_len,
-                vocab_size=target.vocab_size,
-                device=target.device,
-            )
-            self.block_size = self.proposer.block_size
+        self.proposer = make_proposer(
+            self.drafter,
+            self.use_lookup,
+            block_size,
+            max_batch,
+            self.max_len,
+            vocab_size=target.vocab_size,
+            device=target.device,
+        )
+        self.block_size = self.proposer.block_size
         if self.max_len < self.block_size + 3:  # a prompt token, the anchor, the drafts and one more
             raise DominoError(
                 f"engine max_len {self.max_len} leaves no room for a request: a cycle needs a prompt token, the "
                 f"anchor and {self.block_size} draft positions ({self.block_size + 3} positions at least)"
             )
-        self.policy = (
-            make_batch_policy(policy, self.drafter, target, self.block_size, costs, self.use_lookup, threshold)
-            if policy != "plain"
-            else None
+        self.policy = make_policy(
+            policy,
+            self.drafter,
+            target,
+            threshold=DEFAULT_THRESHOLD if threshold is None else threshold,
+            costs=costs,
+            block_size=self.block_size or None,
+            lookup=self.use_lookup,
+            rows=max_batch,
         )
         self.layers = self.drafter.config.target_layer_ids if self.drafter is not None else None
 
@@ -136,22 +132,15 @@ class Engine:
             raise DominoError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
         if int(req.max_new_tokens) < 1:
             raise DominoError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        need = len(prompt) + int(req.max_new_tokens) + self.block_size + 1
-        if need > self.max_len:
+        if len(prompt) + int(req.max_new_tokens) > self.context:
             extra = f" + {self.block_size} draft positions" if self.block_size else ""
             raise DominoError(
                 f"the prompt ({len(prompt)} tokens) + max_new_tokens ({req.max_new_tokens}){extra} + 1 "
                 f"exceed the engine's context of {self.max_len} positions per slot"
             )
         eos = set(self.target.eos_ids if req.eos_ids is None else req.eos_ids)
-        gen = torch.Generator(device=self.target.device)
-        if req.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(req.seed))
-        seq = SeqState(prompt, int(req.max_new_tokens), req.sampling, gen, eos)
-        if self.use_lookup:
-            seq.lookup = PromptLookup()
+        seq = SeqState(prompt, int(req.max_new_tokens), req.sampling, make_generator(req.seed, self.target.device), eos)
+        seq.speculative = req.speculative
         with self._lock:
             if self._closed:
                 raise DominoError("the engine is shut down and takes no new requests")
@@ -182,12 +171,15 @@ class Engine:
             }
 
     @property
+    def context(self) -> int:
+        """Prompt + answer tokens one request may hold: its slot, less the draft positions a step appends
+        past the last committed token (block_size + 1). The server's 400 reads the same number."""
+        return self.max_len - self.block_size - 1
+
+    @property
     def slot_bytes(self) -> int:
         """Memory one slot holds (target + drafter K/V), preallocated."""
-        n = self.cache.bytes_per_row
-        if self.proposer is not None:
-            n += self.proposer.bytes_per_row
-        return n
+        return self.cache.bytes_per_row + self.proposer.bytes_per_row
 
     # ----- running -----
     def run_until_idle(self) -> None:
@@ -279,92 +271,40 @@ class Engine:
                 if slot is None:
                     return
                 row = self._queue.popleft()
-            row.slot, row.admitted = slot, time.perf_counter()
+            row.slot = row.seq.slot = slot
+            row.admitted = time.perf_counter()
             self._rows[slot] = row
-            if self.proposer is not None:
-                self.proposer.claim(row.seq, slot)
+            self.proposer.claim(row.seq)
 
     def _prefill(self) -> bool:
         """Up to prefill_chunk prompt tokens, oldest admission first; each row alone, unpadded."""
-        budget, did = self.prefill_chunk, False
-        waiting = sorted((r for r in self._rows if r is not None and r.prefilled < len(r.seq.prompt)), key=_age)
-        dev = self.target.device
-        for row in waiting:
-            if budget <= 0:
-                break
-            prompt = row.seq.prompt
-            n = min(len(prompt) - row.prefilled, budget)
-            last = row.prefilled + n == len(prompt)
-            ids = torch.tensor([prompt[row.prefilled : row.prefilled + n]], device=dev)
-            out = self.target.forward_rows(
-                ids,
-                self.cache,
-                start=row.slot,
-                logits="last" if last else "none",
-                layer_ids=self.layers,
-                with_features=self.drafter is not None,
-            )
-            if self.proposer is not None:
-                self.proposer.extend(row.seq, out.features)
-            row.prefilled += n
-            budget -= n
-            did = True
-            if last:
-                try:
-                    first = start(row.seq, out.logits[0, -1])
-                except Exception as exc:  # this row's sampling failed: it ends, the batch goes on
-                    self._finish(row, "error", f"sampling failed: {type(exc).__name__}: {exc}")
-                    continue
-                self._emit(row, first)
-        return did
+        waiting = sorted((r for r in self._rows if r is not None and r.seq.prefilled < len(r.seq.prompt)), key=_age)
+        chunks = prefill_chunks([len(r.seq.prompt) - r.seq.prefilled for r in waiting], self.prefill_chunk)
+        for row, n in zip(waiting, chunks):
+            logits = prefill(row.seq, self.side, self.proposer, n, self.layers)
+            if logits is None:
+                continue
+            try:
+                first = commit_first(row.seq, logits, self.proposer)
+            except Exception as exc:  # this row's sampling failed: it ends, the batch goes on
+                self._finish(row, "error", f"sampling failed: {type(exc).__name__}: {exc}")
+                continue
+            self._emit(row, first)
+        return bool(chunks)
 
     def _decode(self) -> bool:
-        rows = [r for r in self._rows if r is not None and r.decoding]
+        rows = [r for r in self._rows if r is not None and r.seq.decoding]
         if not rows:
             return False
-        dev = self.target.device
-        proposals = [None] * len(rows)
-        ks = [0] * len(rows)
-        if self.proposer is not None:
-            # a request that asked for plain decoding gets no room to draft in
-            rooms = [r.seq.room(self.block_size, self.max_len - 1) if r.req.speculative else 0 for r in rows]
-            seqs = [r.seq for r in rows]
-            # decided from earlier steps only (lossless); the hybrid's lookup copies cost nothing and stay
-            if self.drafter is not None and not self.policy.wants_draft(len(rows), self.block_size):
-                with self._lock:
-                    self._stats["draft_skipped"] += 1
-                proposals = self.proposer.copies(seqs, rooms) if self.use_lookup else [None] * len(rows)
-            else:
-                proposals = self.proposer.propose(seqs, rooms)
-            proposals = [p if r.req.speculative else None for r, p in zip(rows, proposals)]
-            ks = self.policy.verify_lengths(proposals, [s.committed_len - 1 for s in seqs])
-        lo, hi = min(r.slot for r in rows), max(r.slot for r in rows) + 1
-        blocks = [torch.zeros(1, dtype=torch.long, device=dev)] * (hi - lo)  # idle slots: 0 new tokens
-        num_new = [0] * (hi - lo)
-        for r, p, k in zip(rows, proposals, ks):
-            blocks[r.slot - lo] = block_tokens(r.seq, p, k, dev)
-            num_new[r.slot - lo] = k + 1
-        ids, _ = pad_blocks(blocks)
-        out = self.target.forward_rows(
-            ids, self.cache, num_new, start=lo, layer_ids=self.layers, with_features=self.drafter is not None
-        )
-        for r, p, k in zip(rows, proposals, ks):
-            seq, i = r.seq, r.slot - lo
-            before = seq.committed_len
-            try:
-                n, nxt = accept(seq, p, k, out.logits[i, : k + 1])
-            except Exception as exc:  # this row's sampling failed: it ends, the batch goes on
-                self.target.set_row_length(self.cache, r.slot, rollback_length(before, 0))
-                self._finish(r, "error", f"sampling failed: {type(exc).__name__}: {exc}")
+        out = step([r.seq for r in rows], self.proposer, self.policy, self.side, self.max_len - 1, self.layers)
+        if not out.plan.draft:
+            with self._lock:
+                self._stats["draft_skipped"] += 1
+        for r, k, n, new, err in zip(rows, out.plan.verify, out.accepted, out.new, out.errors):
+            if err is not None:  # this row's sampling failed: it ends, the batch goes on
+                self._finish(r, "error", f"sampling failed: {type(err).__name__}: {err}")
                 continue
-            self.target.set_row_length(self.cache, r.slot, rollback_length(before, n))
-            new = commit(seq, p, k, n, nxt)
-            # a plain request's rows never draft: the drafter needs none of their features, and their
-            # steps are not the engine's speculation
-            if self.proposer is not None and r.req.speculative:
-                feats = out.features[i : i + 1, : n + 1] if out.features is not None else None
-                self.proposer.observe(seq, p, k, n, feats)
-                self.policy.observe(p, k, n)
+            if self.proposer.counts_cycles and r.seq.speculative:  # a plain request's steps are not speculation
                 self._record_cycle(k, n, len(new))
             self._emit(r, new, k)
         return True
@@ -401,11 +341,10 @@ class Engine:
         if row.slot >= 0 and self._rows[row.slot] is row:
             self._rows[row.slot] = None
             self.cache.release(row.slot)
-            if self.proposer is not None:
-                self.proposer.release(row.seq, row.slot)
+            self.proposer.release(row.seq)
         now = time.perf_counter()
         res = row.seq.res
-        spec = self.proposer is not None
+        spec = self.proposer.counts_cycles
         result = RequestResult(
             request_id=row.handle.id,
             tokens=list(res.tokens),
@@ -415,6 +354,7 @@ class Engine:
             cycles=res.cycles if spec else 0,
             accepted=list(res.accepted) if spec else [],
             verified=list(res.verified) if spec else [],
+            committed=list(res.committed) if spec else [],
             sources=list(res.sources),
             queued_s=(row.admitted or now) - row.submitted,
             ttft_s=None if row.first is None else row.first - row.submitted,
@@ -433,3 +373,14 @@ class Engine:
 
 def _age(row: _Row) -> float:
     return row.admitted
+
+
+def prefill_chunks(remaining: list[int], budget: int) -> list[int]:
+    """Prompt tokens each waiting row prefills this step, oldest first, `budget` in all: [rows served]."""
+    out = []
+    for left in remaining:
+        if budget <= 0:
+            break
+        out.append(min(left, budget))
+        budget -= out[-1]
+    return out

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..decode.result import tokens_per_cycle
 from ..errors import DominoError
 from ..sampling import SamplingConfig
 
@@ -19,7 +20,7 @@ class EngineRequest:
     prompt_ids: list[int]  # already chat-templated / tokenized
     max_new_tokens: int = 128
     sampling: SamplingConfig = SamplingConfig()
-    seed: int | None = None  # None: a fresh random seed
+    seed: int | None = None  # None: drawn from torch's global generator (decode/step.py make_generator)
     eos_ids: list[int] | None = None  # None: the target's own EOS ids
     on_tokens: Callable[..., None] | None = None  # engine thread; committed tokens in order
     # on_tokens(tokens, sources, verified): each token's source (decode.result.SOURCES) and the drafts the
@@ -39,6 +40,7 @@ class RequestResult:
     cycles: int = 0  # speculative cycles (0 for plain)
     accepted: list[int] = field(default_factory=list)  # per cycle: drafts accepted
     verified: list[int] = field(default_factory=list)  # per cycle: drafts verified
+    committed: list[int] = field(default_factory=list)  # per cycle: tokens committed (cut at EOS / budget)
     sources: list[str] = field(default_factory=list)  # per token: "drafter" | "lookup" | "target"
     queued_s: float = 0.0  # submit -> admitted to a slot
     ttft_s: float | None = None  # submit -> first token
@@ -46,8 +48,8 @@ class RequestResult:
 
     @property
     def tau(self) -> float | None:
-        """Tokens per cycle (accepted drafts + the target's token); None without speculative cycles."""
-        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted) if self.accepted else None
+        """Tokens committed per cycle (decode/result.py tokens_per_cycle); None without speculative cycles."""
+        return tokens_per_cycle(self.committed) if self.committed else None
 
 
 class RequestHandle:

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..decode import PromptLookup, generate_autoregressive, generate_speculative, make_policy
-from ..decode.schedule import VERIFY_MODES
+from ..decode import PromptLookup, generate_autoregressive, generate_speculative
+from ..decode.schedule import DRAFT_MODES
 from ..drafter import Drafter
 from ..drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from ..errors import DominoError
@@ -41,6 +41,7 @@ from ..log import log
 from ..sampling import SamplingConfig
 from ..targets import Target
 from ..targets.hf import BACKENDS
+from ..tune.policy import make_policy
 
 LOOKUP = "lookup"  # drafter="lookup": prompt lookup alone, no trained drafter
 WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")  # what SamplingConfig expresses
@@ -53,8 +54,9 @@ class UnsupportedSetting(DominoError, ValueError):
 
 # ----- one packed target per HF model object -----
 
-# model -> (weights stamp, NativeModel or None, backend note). Weak keys: the entry dies with the model;
-# the value holds weight tensors and packed copies, never the model itself, so it does not keep it alive.
+# model -> (weights stamp, Target.backend_state(): the packed forward or why there is none). Weak keys: the
+# entry dies with the model; the value holds weight tensors and packed copies, never the model itself, so it
+# does not keep it alive.
 _NATIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> {(drafter directory, its weights' mtime): Drafter attached to it}
 _DRAFTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -82,9 +84,9 @@ def target_for(model: nn.Module, backend: str = "auto") -> Target:
             entry = _NATIVE.get(model)
             if entry is None or entry[0] != stamp:
                 packed = Target(model, tokenizer=None, name=name, backend=backend)
-                entry = (stamp, packed.native, packed.backend_note)
+                entry = (stamp, packed.backend_state())
                 _NATIVE[model] = entry
-            target.native, target.backend_note = entry[1], entry[2]
+            target.use_backend_state(entry[1])
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
@@ -116,8 +118,8 @@ def _resolve_drafter(model, target: Target, drafter) -> tuple[Drafter | None, Pr
 
 def _check_own_arguments(verify, backend, block_size, seed) -> None:
     """domino_generate's own keyword arguments, named as the caller wrote them (not as CLI flags)."""
-    if verify not in VERIFY_MODES:
-        raise UnsupportedSetting(f"verify={verify!r}: choose from {', '.join(map(repr, VERIFY_MODES))}")
+    if verify not in DRAFT_MODES:
+        raise UnsupportedSetting(f"verify={verify!r}: choose from {', '.join(map(repr, DRAFT_MODES))}")
     if backend not in BACKENDS:
         raise UnsupportedSetting(f"backend={backend!r}: choose from {', '.join(map(repr, BACKENDS))}")
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
@@ -243,7 +245,8 @@ def domino_generate(
     """The decoding loop for `model.generate(..., custom_generate=domino_generate)`.
 
     drafter: a drafter directory, a dominospec Drafter, "lookup" (prompt lookup), or None (plain decoding
-    on dominospec's path). verify: fixed | static | cost (see `dominospec generate --help`). block_size:
+    on dominospec's path). verify: a mode of decode/schedule.py VERIFY_MODES (see `dominospec generate --help`;
+    fixed by default here: a caller passing a drafter gets no device measurement on its first call). block_size:
     drafts per cycle (default: the drafter's). seed: the sampling seed (default: drawn from torch's global
     generator, so torch.manual_seed makes a sampled call repeatable). backend: auto | native | hf.
     Returns [1, prompt + new] ids, or a GenerateDecoderOnlyOutput when return_dict_in_generate.

@@ -249,11 +249,10 @@ def playground_file(name: str) -> Response:
 
 
 def request_context(engine, target) -> int | None:
-    """Positions one request may fill with prompt and answer: the engine's slot, less the room a
-    speculative cycle needs past the last token (the engine refuses requests that would not fit)."""
-    if getattr(engine, "max_len", None) is None:
-        return target.max_positions
-    return int(engine.max_len) - int(getattr(engine, "block_size", 0) or 0) - 1
+    """Positions one request may fill with prompt and answer: the engine's `context` (its slot, less the
+    room a speculative step needs past the last token; the engine refuses requests that would not fit)."""
+    context = getattr(engine, "context", None)
+    return target.max_positions if context is None else int(context)
 
 
 def check_chars(chars: int, asked: int | None, context: int | None, token_chars: int | None, param: str) -> None:

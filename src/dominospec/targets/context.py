@@ -6,6 +6,13 @@ the context ends. Text is measured in characters before it is tokenized: no toke
 than `max_token_chars` characters (the longest vocabulary entry), so a text longer than the room
 times that bound cannot fit and is refused without paying for tokenizing it (a 1 MB line costs
 nothing).
+
+One rule, "prompt + answer must fit", three documented behaviours:
+  batch 1 (`generate_*`, `dominospec generate`, the transformers hook): max_new_tokens is capped at what
+      the context leaves, with a note in GenerationResult.notes; no room at all is a DominoError
+  the engine (Engine.submit): a request that does not fit its slot (Engine.context) is a DominoError
+  the server: the same count as the engine's, refused with HTTP 400 `context_length_exceeded`; without
+      max_tokens the answer gets what the context leaves
 """
 
 from __future__ import annotations

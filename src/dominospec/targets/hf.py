@@ -79,6 +79,26 @@ class Target:
     def backend(self) -> str:
         return "native" if self.native is not None else "hf"
 
+    @property
+    def supports_rows(self) -> bool:
+        """Whether this target decodes many sequences in the rows of one cache (new_row_cache, forward_rows,
+        set_row_length): the native backend does, transformers' does not."""
+        return self.native is not None
+
+    def backend_state(self) -> tuple:
+        """An opaque handle on this target's forward (its packed native weights, or why it has none); it
+        holds weights, never the model. `use_backend_state` lets another wrapper of the same model reuse it."""
+        return self.native, self.backend_note
+
+    def use_backend_state(self, state: tuple) -> None:
+        self.native, self.backend_note = state
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm over the last decoder layer's states (what the LM head reads); native backend."""
+        if self.native is None:
+            raise DominoError(f"target {self.name!r}: the final norm is read from the native backend only")
+        return self.native.final_norm(hidden)
+
     @classmethod
     def load(
         cls,

@@ -138,6 +138,17 @@ class TrainConfig:
         return self.lambda_start * max(0.0, 1.0 - step / span)
 
 
+STEP_STATS = ("tau_greedy", "tau_sampled", "blocks", "tokens")  # summed over a step's micro-batches, by name
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """The learning rate at `step` as a fraction of the peak: linear warm-up over `warmup` steps, then a
+    cosine down to 0 at step `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
 def keep_large_blocks_on_the_heap() -> bool:
     """Tell glibc's malloc to serve every block from the heap and keep freed memory (Linux only).
 
@@ -213,15 +224,13 @@ class Trainer:
         self._memory_left = int(memory_gb * 2**30)
         self._lse: dict[int, torch.Tensor] = {}  # per sample: the target's log-normaliser at every position
         self.positions = 0  # supervised block slots trained by this process so far (the throughput unit)
-        warm = max(1, int(cfg.warmup * self.total))
-
-        def schedule(step):
-            if step < warm:
-                return (step + 1) / warm
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, self.total - warm))))
-
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
+        self.warmup_steps = max(1, int(cfg.warmup * self.total))  # fixed at the start; total may grow on resume
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: self.lr_factor(step))
         self.step = 0
+
+    def lr_factor(self, step: int) -> float:
+        """The learning rate of `step` over cfg.lr (read at every step: a resumed run on grown data moves total)."""
+        return lr_factor(step, self.total, self.warmup_steps)
 
     # ----- data order: a pure function of (seed, epoch), so a resumed run sees the same batches -----
     @functools.cached_property
@@ -361,13 +370,32 @@ class Trainer:
             loss = loss + terms["bce"]
         return loss, terms
 
-    def train_step_packed(self) -> dict:
-        """One step with the step's blocks in a few large drafter forwards (micro-batches of at most
-        PACKED_BLOCKS blocks, a sequence's blocks split where they exceed it), one backward each."""
+    def train_step(self) -> dict:
+        """One optimizer step over the step's micro-batches: packed (the default), a few large drafter
+        forwards of at most PACKED_BLOCKS blocks each, a sequence's blocks split where they exceed it;
+        --no-packed, one micro-batch per sequence. Each runs its forward and backward; the loss terms and
+        stats are summed by name, reduced over ranks, and the update follows."""
+        lam = self.cfg.curriculum_lambda(self.step, self.total) if self.head.uses_curriculum else 0.0
+        micro_batches, den = self._packed_batches(lam) if self.cfg.packed else self._sequence_batches(lam)
+        self.opt.zero_grad(set_to_none=True)
+        terms: dict[str, float] = {}
+        stats = dict.fromkeys(STEP_STATS, 0.0)
+        for run in micro_batches:
+            t, st = run(den)
+            for k, v in t.items():
+                terms[k] = terms.get(k, 0.0) + v
+            for k, v in st.items():
+                stats[k] += v
+        with self._part("optimizer"):
+            self.dist.all_sum_grads(self.params)
+            gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip))
+        return self._finish_step(terms, stats, den, gnorm, lam)
+
+    def _packed_batches(self, lam: float):
+        """The packed step's micro-batches (callables of den) and the step's loss normaliser."""
         cfg = self.cfg
         idx = self.batch_indices(self.step)
         epoch = self.epoch_of(self.step)[0]
-        lam = cfg.curriculum_lambda(self.step, self.total) if self.head.uses_curriculum else 0.0
         with self._part("data"):
             pieces = []  # (sample index, (anchors [n], tokens [n, B], labels [n, B])), n <= PACKED_BLOCKS
             for i in idx:
@@ -390,25 +418,22 @@ class Trainer:
             self.positions += valid
             den = sum(((self.weights * (lab != IGNORE).float()).sum() for _, (_, _, lab) in pieces), torch.zeros(()))
             den = self.dist.all_sum(den.to(self.device)).clamp_min(1e-8)
-        self.opt.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        g = s_sampled = 0.0
-        for batch in batches:
-            terms, stats = self._packed_terms(batch, den, lam)
-            for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + v
-            g += stats[0]
-            s_sampled += stats[1]
-        n_blocks = sum(piece[0].shape[0] for _, piece in pieces)
-        tokens = sum(len(self.samples[i]["input_ids"]) for i in dict.fromkeys(i for i, _ in pieces))
-        with self._part("optimizer"):
-            self.dist.all_sum_grads(self.params)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip))
-        keys = sorted(sums)
-        vec = torch.tensor(
-            [sums[k] for k in keys] + [g, s_sampled, n_blocks, tokens], dtype=torch.float64, device=self.device
-        )
-        return self._finish_step(keys, vec, den, gnorm, lam)
+        first = {}  # a sample's tokens count once, in the micro-batch holding its first piece
+        for b, batch in enumerate(batches):
+            for i, _ in batch:
+                first.setdefault(i, b)
+
+        def micro_batch(b: int, batch: list):
+            def run(den):
+                terms, (g, s_sampled) = self._packed_terms(batch, den, lam)
+                own = [i for i in dict.fromkeys(i for i, _ in batch) if first[i] == b]
+                tokens = sum(len(self.samples[i]["input_ids"]) for i in own)
+                n = sum(piece[0].shape[0] for _, piece in batch)
+                return terms, {"tau_greedy": g, "tau_sampled": s_sampled, "blocks": n, "tokens": tokens}
+
+            return run
+
+        return [micro_batch(b, batch) for b, batch in enumerate(batches)], den
 
     def _packed_terms(self, batch: list, den: torch.Tensor, lam: float) -> tuple[dict, tuple[float, float]]:
         """Forward and backward of one micro-batch; its loss terms and (greedy, sampled) tau x blocks."""
@@ -469,82 +494,67 @@ class Trainer:
             {"tau_greedy": g, "tau_sampled": s, "blocks": int(anchors.numel()), "tokens": int(ids.shape[0])},
         )
 
-    def train_step(self) -> dict:
-        if self.cfg.packed:
-            return self.train_step_packed()
+    def _sequence_batches(self, lam: float):
+        """The per-sequence step's micro-batches (one per sequence with anchors) and the loss normaliser."""
         cfg = self.cfg
         idx = self.batch_indices(self.step)
-        lam = self.cfg.curriculum_lambda(self.step, self.total) if self.head.uses_curriculum else 0.0
         # the normaliser first, summed over ranks, so every rank divides by the same number
         den = torch.zeros((), device=self.device)
         anchors = {}
-        self._part_start("data")
-        for i in idx:
-            mask = torch.tensor(self.samples[i]["loss_mask"])
-            # anchors depend on (seed, step, sample) only: resumed and multi-process runs agree
-            a = sample_anchors(mask, cfg.anchors, random.Random(f"{cfg.seed}-{self.step}-{i}"))
-            anchors[i] = a
-            if a.numel():
-                ids = torch.tensor(self.samples[i]["input_ids"])
-                _, labels = make_blocks(ids, mask, a, self.block)
-                self.positions += int((labels != IGNORE).sum())
-                den += (self.weights.cpu() * (labels != IGNORE).float()).sum().to(self.device)
-        den = self.dist.all_sum(den).clamp_min(1e-8)
-        self._part_stop("data")
-        self.opt.zero_grad(set_to_none=True)
+        with self._part("data"):
+            for i in idx:
+                mask = torch.tensor(self.samples[i]["loss_mask"])
+                # anchors depend on (seed, step, sample) only: resumed and multi-process runs agree
+                a = sample_anchors(mask, cfg.anchors, random.Random(f"{cfg.seed}-{self.step}-{i}"))
+                anchors[i] = a
+                if a.numel():
+                    ids = torch.tensor(self.samples[i]["input_ids"])
+                    _, labels = make_blocks(ids, mask, a, self.block)
+                    self.positions += int((labels != IGNORE).sum())
+                    den += (self.weights.cpu() * (labels != IGNORE).float()).sum().to(self.device)
+            den = self.dist.all_sum(den).clamp_min(1e-8)
         with self._part("features"):
-            feats = self.features(idx)
-        sums: dict[str, float] = {}
-        stats = []
-        for i, (f, fin) in zip(idx, feats):
-            if anchors[i].numel() == 0:
-                continue
-            loss, terms, st = self.sequence_terms(i, f, fin, anchors[i], lam)
-            with self._part("backward"):
-                (loss / den).backward()
-            for k, v in terms.items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach())
-            stats.append(st)
-        with self._part("optimizer"):
-            self.dist.all_sum_grads(self.params)
-            gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip))
-        # metrics, reduced over ranks (before the update, so every rank sees a bad loss and stops alike)
-        keys = sorted(sums)
-        vec = torch.tensor(
-            [sums[k] for k in keys]
-            + [
-                sum(s["tau_greedy"] * s["blocks"] for s in stats),
-                sum((s["tau_sampled"] or 0.0) * s["blocks"] for s in stats),
-                sum(s["blocks"] for s in stats),
-                sum(s["tokens"] for s in stats),
-            ],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        return self._finish_step(keys, vec, den, gnorm, lam)
+            feats = self.features(idx)  # all sequences of the step in one target pass
 
-    def _finish_step(self, keys, vec, den, gnorm: float, lam: float) -> dict:
-        """Metrics reduced over ranks (before the update, so every rank sees a bad loss and stops alike),
-        then the update; the step's metrics record."""
-        vec = self.dist.all_sum(vec)
-        if not (math.isfinite(gnorm) and bool(torch.isfinite(vec).all())):
-            self._stop_diverged({k: float(vec[j]) for j, k in enumerate(keys)}, gnorm)
+        def micro_batch(i: int, f, fin):
+            def run(den):
+                loss, terms, st = self.sequence_terms(i, f, fin, anchors[i], lam)
+                with self._part("backward"):
+                    (loss / den).backward()
+                n = st["blocks"]
+                stats = {"tau_greedy": st["tau_greedy"] * n, "tau_sampled": (st["tau_sampled"] or 0.0) * n}
+                stats.update(blocks=n, tokens=st["tokens"])
+                return {k: float(v.detach()) for k, v in terms.items()}, stats
+
+            return run
+
+        return [micro_batch(i, f, fin) for i, (f, fin) in zip(idx, feats) if anchors[i].numel()], den
+
+    def _finish_step(self, terms: dict, stats: dict, den, gnorm: float, lam: float) -> dict:
+        """Metrics reduced over ranks by name (before the update, so every rank sees a bad loss and stops
+        alike), then the update; the step's metrics record. terms: loss numerators; stats: STEP_STATS sums
+        (tau_greedy / tau_sampled weighted by blocks)."""
+        names = sorted(terms) + list(STEP_STATS)
+        vec = torch.tensor([terms.get(k, stats.get(k)) for k in names], dtype=torch.float64, device=self.device)
+        total = dict(zip(names, self.dist.all_sum(vec).tolist()))
+        if not (math.isfinite(gnorm) and all(math.isfinite(v) for v in total.values())):
+            self._stop_diverged({k: total[k] for k in sorted(terms)}, gnorm)
         with self._part("optimizer"):
             self.opt.step()
         self.sched.step()
         self.step += 1
         dn = float(den)
-        rec = {k: float(vec[j]) / dn for j, k in enumerate(keys)}
-        blocks = max(1.0, float(vec[-2]))
+        rec = {k: total[k] / dn for k in sorted(terms)}
+        blocks = max(1.0, total["blocks"])
         rec.update(
             step=self.step,
             lr=self.sched.get_last_lr()[0],
             grad_norm=gnorm,
-            tau_greedy=float(vec[-4]) / blocks,
-            tokens=int(vec[-1]),
+            tau_greedy=total["tau_greedy"] / blocks,
+            tokens=int(total["tokens"]),
         )
         if self.needs_target_probs:
-            rec["tau_sampled"] = float(vec[-3]) / blocks
+            rec["tau_sampled"] = total["tau_sampled"] / blocks
         if self.head.uses_curriculum:
             rec["lambda"] = lam
         return rec

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode.cost import expected_tokens
+from ..decode.result import expected_tokens
 from ..errors import DominoError
 from .blocks import IGNORE, TeacherForced, anchor_candidates, teacher_forced_blocks
 from .distributed import Dist

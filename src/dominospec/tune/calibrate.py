@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from ..decode.single import generate_speculative
 from ..drafter.checkpoint import CALIBRATION_NAME
 from ..errors import DominoError
 from ..io import read_json_object, write_json_atomic
 from ..sampling import SamplingConfig
-from .single import generate_speculative
 
 ECE_BINS = 15
 TEMPERATURE_GRID = (0.05, 20.0, 241)  # geometric grid: lowest, highest, points

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ..decode.result import expected_tokens
+from ..decode.rollout import draft_block
+from ..decode.schedule import profile_drafter_label
 from ..devices import cpu_model, describe_device, synchronize
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..drafter.model import DraftCache
@@ -26,7 +29,6 @@ from ..errors import DominoError
 from ..io import cache_dir, probabilities, read_json_object, write_json_atomic
 from ..log import log
 from ..sampling import SamplingConfig
-from .propose import draft_block
 
 
 @torch.inference_mode()
@@ -167,7 +169,7 @@ def profile_batch_cost(
     """SPS(B) for the engine: median seconds of one ragged forward with R rows of k new tokens each
     (B = R * k), R in `rows`, k = 1..max_k, every row after its own `context`-token prefix; and, with a
     drafter, one draft pass for R rows. Repeats are interleaved over (R, k)."""
-    from .propose import draft_rows
+    from ..decode.rollout import draft_rows
 
     gen = torch.Generator().manual_seed(seed)
     dev, V = target.device, target.vocab_size
@@ -242,16 +244,10 @@ def profile_device(
     if drafter is not None:
         table["draft"] = profile_draft_cost(target, drafter, min(usable), repeats, seed)
         table["draft"]["drafter"] = profile_drafter_label(drafter)
-    if batch_rows and getattr(target, "native", None) is not None:
+    if batch_rows and target.supports_rows:
         table["batch"] = profile_batch_cost(target, drafter, batch_rows, min(usable), min(max_k, 9), repeats, seed)
         table["batch"]["drafter"] = profile_drafter_label(drafter) if drafter is not None else None
     return table
-
-
-def profile_drafter_label(drafter) -> str:
-    """How a device profile names the drafter whose draft cost it measured."""
-    c = drafter.config
-    return c.target_name + f"/{c.head}-{c.num_layers}L"
 
 
 def save_profile(table: dict) -> Path:
@@ -351,7 +347,7 @@ def ensure_profile(
     batch = table.get("batch") or {}
     owner = batch.get("drafter", (table.get("draft") or {}).get("drafter"))  # older tables: the profile's drafter
     stale = not batch or (label is not None and owner != label)  # without a drafter any table's forwards do
-    if batch_rows and getattr(target, "native", None) is not None and stale:
+    if batch_rows and target.supports_rows and stale:
         report(
             f"measuring the engine's batched cost table for {list(batch_rows)} rows (a few seconds; "
             "`dominospec profile --batch-rows` measures the full one)"
@@ -361,15 +357,6 @@ def ensure_profile(
         table["batch"]["drafter"] = label
         save_profile(table)
     return table
-
-
-def expected_tokens(acceptance: Sequence[float], b: int) -> float:
-    """tau for b drafts: 1 + sum_k prod_{i<=k} p_i, with p_i the conditional acceptance at position i."""
-    tau, survive = 1.0, 1.0
-    for p in list(acceptance)[:b]:
-        survive *= p
-        tau += survive
-    return tau
 
 
 def best_block_size(profile: dict, acceptance: Sequence[float], max_b: int, context: int = 256) -> tuple[int, dict]:

@@ -1,4 +1,4 @@
-"""Proposing a block: the drafter's backbone pass and its head's left-to-right rollout.
+"""The drafter's rollout: its backbone pass and its head's left-to-right walk over a block.
 
 A `Proposal` is what travels from a proposer to the verifier: the draft tokens, the
 distributions they were really drawn from (needed for lossless rejection sampling) and, when
