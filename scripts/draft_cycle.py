@@ -17,21 +17,19 @@ Defaults: the bundled smollm2-135m target with its shipped drafter, block 8, one
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import statistics
 import time
 
 import torch
 
-from dominospec.decode import draft_block
+from dominospec.decode.rollout import rollout
 from dominospec.devices import cpu_model
 from dominospec.drafter import DraftCache, Drafter, DrafterConfig, shipped_drafter_dir
 from dominospec.drafter.fast import ENV_SWITCH
 from dominospec.sampling import SamplingConfig
 from dominospec.targets import Target
 
-rollout = importlib.import_module(draft_block.__module__).rollout  # decode/propose.py, or rollout.py after issue 29
 PATHS = {"library": "off", "packed": "on"}
 PARTS = ("context", "backbone", "base logits", "rollout", "confidence", "cycle")
 

@@ -4,7 +4,6 @@ without a confidence head and a draft vocabulary, at one row and several; specul
 plain greedy decoding. The packed copies are never used where autograd records and follow weight changes."""
 
 import copy
-import importlib
 import math
 
 import pytest
@@ -12,14 +11,11 @@ import torch
 from conftest import confident_drafter, tiny_drafter, tiny_target
 
 from dominospec import Drafter, SamplingConfig, generate_autoregressive, generate_speculative
-from dominospec.decode import draft_block
+from dominospec.decode.rollout import draft_block, draft_rows
 from dominospec.drafter import shipped_drafter_dir
 from dominospec.drafter.fast import ENV_SWITCH
 from dominospec.engine import Engine, EngineRequest
 from dominospec.targets.kernels import load_kernels
-
-# the module of the rollout (decode/propose.py, renamed decode/rollout.py by issue 29's step)
-draft_rows = importlib.import_module(draft_block.__module__).draft_rows
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the small-row kernel is not built here")
 
