@@ -263,8 +263,8 @@ class VerifyPolicy:
         """k per row ([R]), from the proposals (drafts, confidences) and the rows' state only."""
         return [0 if p is None else len(p) for p in proposals]
 
-    def observe(self, proposal: Proposal, verified: int, accepted: int) -> None:
-        """The outcome of a cycle with a proposal."""
+    def observe(self, proposal: Proposal, verified: int, accepted: int, row=None) -> None:
+        """The outcome of a cycle with a proposal (row: the SeqState it was made for, where known)."""
 
     def describe(self) -> dict:
         return {"verify": self.name}
@@ -314,6 +314,9 @@ class StaticPolicy(ConfidencePolicy):
 
     def describe(self) -> dict:
         return {"verify": self.name, "confidence_threshold": self.threshold, "calibration": self.note}
+
+
+ROW_ACCEPTANCE = "running_acceptance"  # SeqState.extra: the request's own RunningAcceptance (cost policy)
 
 
 class RunningAcceptance:
@@ -369,7 +372,8 @@ def _samples(rows: Sequence) -> bool:
 
 @dataclass
 class CostPolicy(ConfidencePolicy):
-    """DSpark's Algorithm 1 over the rows of a step, and the skip-and-probe decision before it.
+    """DSpark's Algorithm 1 over the rows of a step, and the skip-and-probe decision before it, from each
+    request's own running acceptance (SeqState.extra, from its first drafter cycle; the pooled one before).
 
     costs: a CostTable (batch 1) or BatchCostTable (the engine), anything with step_seconds and
     drafting_costs."""
@@ -410,17 +414,20 @@ class CostPolicy(ConfidencePolicy):
             [r.sampling.greedy for r in rows],
         )
 
+    def acceptance_of(self, row) -> RunningAcceptance:
+        """The row's own running acceptance once it has drafted, else the pooled one (every drafter cycle)."""
+        extra = getattr(row, "extra", None)
+        return (extra or {}).get(ROW_ACCEPTANCE) or self.acceptance
+
     def drafting_pays(self, rows: Sequence) -> bool:
-        """Whether a step with a drafter pass, at the running acceptance, beats a plain step of these rows
-        (the best allocation of the whole curve, from earlier cycles' outcomes only)."""
+        """Whether a step with a drafter pass, at each row's own running acceptance, beats a plain step of
+        these rows (the best allocation of the whole curves, from earlier cycles' outcomes only)."""
         R, context, sampled = len(rows), _context(rows), _samples(rows)
-        survival = self.acceptance.survival(self.block_size)
-        ks = allocate_verify(
-            [survival] * R, lambda B: self.costs.step_seconds(R, B, context, sampled=sampled), [True] * R
-        )
+        survival = [self.acceptance_of(r).survival(self.block_size) for r in rows]  # [R][b]
+        ks = allocate_verify(survival, lambda B: self.costs.step_seconds(R, B, context, sampled=sampled), [True] * R)
         if not any(ks):
             return False
-        tau = R + sum(sum(survival[:k]) for k in ks)
+        tau = R + sum(sum(s[:k]) for s, k in zip(survival, ks))
         with_draft = tau / self.costs.step_seconds(R, R + sum(ks), context, sampled=sampled)
         return with_draft > R / self.costs.step_seconds(R, R, context, draft=False)
 
@@ -432,9 +439,15 @@ class CostPolicy(ConfidencePolicy):
         self.skipped += 1
         return False
 
-    def observe(self, proposal: Proposal, verified: int, accepted: int) -> None:
-        if proposal.source == "drafter":
-            self.acceptance.record(verified, accepted)
+    def observe(self, proposal: Proposal, verified: int, accepted: int, row=None) -> None:
+        if proposal.source != "drafter":
+            return
+        self.acceptance.record(verified, accepted)
+        if row is not None:  # the request's own estimate starts from the pooled one (worth two cycles)
+            own = row.extra.get(ROW_ACCEPTANCE)
+            if own is None:
+                own = row.extra[ROW_ACCEPTANCE] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
+            own.record(verified, accepted)
 
     def describe(self) -> dict:
         d = {"verify": self.name, "calibration": self.note, "search": "first drop (sampled), whole curve (greedy)"}
