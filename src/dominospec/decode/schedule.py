@@ -98,6 +98,47 @@ def draft_confidence(proposal: Proposal) -> torch.Tensor:
     return torch.full((len(proposal),), 0.5, dtype=torch.float64)
 
 
+class TopCalibration:
+    """P(draft k accepted | drafts < k were) from the draft's own top probability q_k, per position k:
+    sigmoid(a_k * logit(q_k) + b_k), fit online by one logistic-loss gradient step per judged position from
+    the accept / reject outcomes of earlier cycles (vLLM's confidence for heads without a confidence head).
+    Starts at a = 1, b = 0 (the raw top probability). Reads only q (never the drafted token) and past
+    outcomes, so a policy on it stays lossless."""
+
+    def __init__(self, lr: float = 0.05, eps: float = 1e-4):
+        self.lr, self.eps = lr, eps
+        self.a: list[float] = []
+        self.b: list[float] = []
+
+    def _logit(self, q: float) -> float:
+        q = min(max(q, self.eps), 1 - self.eps)
+        return math.log(q / (1 - q))
+
+    def _fit(self, k: int) -> tuple[float, float]:
+        return (self.a[k], self.b[k]) if k < len(self.a) else (1.0, 0.0)
+
+    def __call__(self, top: torch.Tensor) -> torch.Tensor:
+        """Calibrated conditional confidences [b] for one proposal's top probabilities top [b]."""
+        out = []
+        for k, q in enumerate(top.double().cpu().tolist()):
+            a, b = self._fit(k)
+            out.append(1.0 / (1.0 + math.exp(-(a * self._logit(q) + b))))
+        return torch.tensor(out, dtype=torch.float64)
+
+    def record(self, top: torch.Tensor, verified: int, accepted: int) -> None:
+        """Positions up to the first rejection were judged: label 1 for the accepted ones."""
+        qs = top.double().cpu().tolist()
+        for k in range(min(verified, accepted + 1, len(qs))):
+            while len(self.a) <= k:
+                self.a.append(1.0)
+                self.b.append(0.0)
+            x = self._logit(qs[k])
+            p = 1.0 / (1.0 + math.exp(-(self.a[k] * x + self.b[k])))
+            g = p - float(k < accepted)  # d(log loss) / d(a x + b)
+            self.a[k] -= self.lr * g * x
+            self.b[k] -= self.lr * g
+
+
 # ----- what a step costs -----
 
 
@@ -280,6 +321,7 @@ class ConfidencePolicy(VerifyPolicy):
 
     temperatures: list[float] | None = None
     note: str = ""  # where the temperatures came from
+    top_calibration: TopCalibration | None = None  # without a confidence head: the draft's top probability, fit online
 
     def confidences(self, proposal: Proposal) -> torch.Tensor | None:
         if proposal.confidence_logits is None:
@@ -290,6 +332,8 @@ class ConfidencePolicy(VerifyPolicy):
     def survival(self, proposal: Proposal) -> list[float]:
         """a_j for one proposal: calibrated confidences, else the draft's own top probability (no head)."""
         c = self.confidences(proposal)
+        if c is None and proposal.draft_top is not None and self.top_calibration is not None:
+            c = self.top_calibration(proposal.draft_top)
         if c is None:
             c = draft_confidence(proposal)
         return torch.cumprod(c.double().cpu(), 0).tolist()
@@ -389,6 +433,8 @@ class CostPolicy(ConfidencePolicy):
 
     def start(self) -> None:
         self.acceptance = RunningAcceptance(prior=self.prior)
+        if self.top_calibration is None:  # kept across generations: it learns the drafter, not the request
+            self.top_calibration = TopCalibration()
         self.skipped_in_a_row = 0
         self.skipped = 0
 
@@ -443,6 +489,8 @@ class CostPolicy(ConfidencePolicy):
         if proposal.source != "drafter":
             return
         self.acceptance.record(verified, accepted)
+        if proposal.draft_top is not None:
+            self.top_calibration.record(proposal.draft_top, verified, accepted)
         if row is not None:  # the request's own estimate starts from the pooled one (worth two cycles)
             own = row.extra.get(ROW_ACCEPTANCE)
             if own is None:
