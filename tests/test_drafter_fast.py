@@ -12,6 +12,7 @@ from conftest import confident_drafter, tiny_drafter, tiny_target
 
 from dominospec import Drafter, SamplingConfig, generate_autoregressive, generate_speculative
 from dominospec.decode.rollout import draft_block, draft_rows
+from dominospec.decode.schedule import profile_drafter_label
 from dominospec.drafter import shipped_drafter_dir
 from dominospec.drafter.fast import ENV_SWITCH
 from dominospec.engine import Engine, EngineRequest
@@ -144,6 +145,14 @@ def test_packed_path_never_runs_where_autograd_records_or_off_cpu_fp32(monkeypat
     fp64 = tiny_drafter(tiny_target("qwen3", backend="native"), head="domino").eval()
     with torch.no_grad():
         assert fp64.fast() is None  # float64: the library path
+
+
+def test_draft_costs_are_kept_apart_by_path(monkeypatch, target):
+    """A device profile's draft cost timed on one path is not read for the other (it is measured again)."""
+    drafter = make_drafter(target, "domino", False, 0)
+    packed = profile_drafter_label(drafter)
+    monkeypatch.setenv(ENV_SWITCH, "off")
+    assert drafter.inference_path == "library" and profile_drafter_label(drafter) + "/packed" == packed
 
 
 def test_packed_copies_follow_weight_changes(target):

@@ -73,9 +73,11 @@ def check_threshold(threshold: float, flag: str = "--confidence-threshold") -> f
 
 
 def profile_drafter_label(drafter) -> str:
-    """How a device profile names the drafter whose draft cost it measured."""
+    """How a device profile names the drafter whose draft cost it measured (and on which path: a table
+    timed on the library path is measured again for the packed one, and back)."""
     c = drafter.config
-    return c.target_name + f"/{c.head}-{c.num_layers}L"
+    packed = getattr(drafter, "inference_path", "library") == "packed"
+    return c.target_name + f"/{c.head}-{c.num_layers}L" + ("/packed" if packed else "")
 
 
 def calibrated_confidence(logits: torch.Tensor, temperatures: Sequence[float] | None) -> torch.Tensor:

@@ -102,18 +102,24 @@ class Drafter(nn.Module):
                 self.fast()
         return self
 
-    def fast(self) -> PackedDrafter | None:
-        """The packed inference path (drafter/fast.py), or None where the library path runs: autograd on
-        (training), not CPU float32, no kernel built, not attached, or DOMINOSPEC_DRAFTER_FAST=off.
-        Packed at first use and again whenever a weight changed (storage or version counter)."""
-        if torch.is_grad_enabled() or self._borrowed is None or not fast_enabled():
-            return None
+    @property
+    def inference_path(self) -> str:
+        """ "packed" where decoding runs drafter/fast.py (CPU float32, kernel built, attached, switch on), else
+        "library": what a draft-cost measurement is valid for."""
+        if self._borrowed is None or not fast_enabled():
+            return "library"
         w = self.fc.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or self._tables()[1].weight.dtype != torch.float32:
+            return "library"
+        return "packed" if load_kernels() is not None else "library"
+
+    def fast(self) -> PackedDrafter | None:
+        """The packed inference path (drafter/fast.py), or None where the library path runs: autograd on
+        (training), or not `inference_path` "packed". Packed at first use and again whenever a weight
+        changed (storage or version counter)."""
+        if torch.is_grad_enabled() or self.inference_path != "packed":
             return None
         module = load_kernels()
-        if module is None:
-            return None
         packed = self._packed  # one read: another thread may repack meanwhile
         if packed is None or packed.watch.stale():
             packed = self._packed = PackedDrafter(self, module)
