@@ -14,6 +14,7 @@ from dominospec.bench.metrics import (
     conditional_acceptance,
     first_difference,
     position_counts,
+    profile_prediction,
     summarize,
     time_split,
     tokens_per_second,
@@ -130,6 +131,44 @@ def test_time_split_leaves_the_rest_to_host_overhead():
     assert t["cycles"] == 4
     assert (t["draft_ms_per_cycle"], t["verify_ms_per_cycle"], t["host_ms_per_cycle"]) == pytest.approx((50, 125, 50))
     assert time_split([run(tokens=range(5), total_s=1.0, prefill_s=0.2)])["decode_ms_per_step"] == pytest.approx(200)
+
+
+def test_profile_prediction_prices_each_cycle_at_its_own_k_and_context():
+    """Verify: the profiled forward over k + 1 tokens per cycle at the nearest profiled context; draft: the profiled
+    cycle for the cycles the drafter ran, spread over all; plain decoding: one-token forwards after the first token."""
+    profile = {
+        "verify": {
+            "256": {"k": [1, 2, 3], "seconds": [0.010, 0.012, 0.015]},
+            "1024": {"k": [1, 2, 3], "seconds": [0.020, 0.030, 0.040]},
+        },
+        "draft": {"b": [1, 2], "seconds": [0.001, 0.002]},
+    }
+    spec = run(tokens=range(5), accepted=[1, 0, 2], committed=[2, 1, 3], block=2)
+    spec.verified, spec.draft_skipped, spec.prompt_len = [2, 0, 2], 1, 200
+    p = profile_prediction([spec], profile, draft_b=2)
+    assert p["profile_verify_ms_per_cycle"] == pytest.approx((15 + 10 + 15) / 3)
+    assert p["profile_draft_ms_per_cycle"] == pytest.approx(2 * 2 / 3)  # the skipped cycle drafted nothing
+    assert profile_prediction([spec], profile)["profile_draft_ms_per_cycle"] is None  # another drafter's profile
+    spec.verified = [2, 0, 3]  # k + 1 = 4 is not in the profile: no prediction rather than a wrong one
+    assert profile_prediction([spec], profile, 2)["profile_verify_ms_per_cycle"] is None
+    ar = run(tokens=range(5))
+    ar.prompt_len = 900  # the middle of its context (902) is nearest the 1024 row
+    assert profile_prediction([ar], profile)["profile_decode_ms_per_step"] == pytest.approx(20)
+
+
+def test_bench_reports_the_profiles_prediction_next_to_the_measured_cycle(tmp_path, llama_target, monkeypatch):
+    d = tiny_drafter(llama_target, head="domino", block_size=4)
+    profile = {
+        "verify": {"256": {"k": list(range(1, 6)), "seconds": [0.01 * k for k in range(1, 6)]}},
+        "draft": {"b": [1, 2, 3, 4], "seconds": [0.001] * 4, "drafter": runner.profile_drafter_label(d)},
+    }
+    monkeypatch.setattr(runner, "load_profile", lambda target: profile)
+    methods, _ = bench_methods.build_methods(("ar", "drafters"), [("tiny", d)])
+    runner.benchmark(llama_target, DATASETS, methods, tmp_path, max_new_tokens=8, progress=False, plots=False)
+    m = json.loads((tmp_path / "results.json").read_text())["methods"]
+    assert m["domino-2L-b4"]["profile_verify_ms_per_cycle"] > 10 and m["domino-2L-b4"]["profile_draft_ms_per_cycle"] > 0
+    assert m["ar"]["profile_decode_ms_per_step"] == pytest.approx(10)
+    assert "(profile)" in (tmp_path / "report.md").read_text()
 
 
 # ----- losslessness -----

@@ -150,7 +150,8 @@ def _soft_target():
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["plain", "cost", "cost-skipping", "cost-greedy-mates"])
 def test_engine_sampling_preserves_the_target_distribution_with_rows_joining_and_leaving(policy):
-    """cost-skipping: a draft pass so dear that the policy runs many steps without one (and probes).
+    """cost-skipping: a draft pass so dear that the policy runs many steps without one (and probes), decided
+    from each request's own running acceptance (rows join with none and build their own).
     cost-greedy-mates: the joining rows decode greedily, so the scheduler walks past its first drop for
     them in the same batch, and the sampled rows keep the target's distribution. (This drafter's confidences
     hardly read the drafts, so a sampled row walking on would not show here: the rule itself is pinned

@@ -19,7 +19,7 @@ from dominospec import DominoError, SamplingConfig, generate_autoregressive, gen
 from dominospec.bench import methods as bench_methods
 from dominospec.bench import runner
 from dominospec.decode import CostTable, Proposal, draft_block
-from dominospec.decode.schedule import CostPolicy, StaticPolicy, VerifyPolicy, allocate_verify
+from dominospec.decode.schedule import CostPolicy, StaticPolicy, TopCalibration, VerifyPolicy, allocate_verify
 from dominospec.tune.policy import make_policy
 
 # verifying k drafts costs verify[k] (k+1 new tokens); steep enough that the cost policy cuts blocks
@@ -189,6 +189,41 @@ def test_cost_policy_skips_the_drafter_while_it_does_not_pay_probes_and_resumes(
     assert CostPolicy(costs=COSTS).wants_draft([row()])
 
 
+def test_cost_policy_skip_decision_reads_each_requests_own_acceptance():
+    """Protects: a request whose drafts keep failing stops paying for a drafter pass while one whose drafts
+    are accepted keeps drafting (one pooled estimate would give both the same answer); a request that has not
+    drafted yet reads the pooled estimate."""
+    policy = CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]}, draft_s=0.2), block_size=3, probe_every=100)
+    code, chat, new = (SimpleNamespace(extra={}, **vars(row())) for _ in range(3))
+    for _ in range(20):
+        policy.observe(proposal([0.5] * 3), verified=3, accepted=3, row=code)
+        policy.observe(proposal([0.5] * 3), verified=3, accepted=0, row=chat)
+    assert policy.acceptance_of(code).conditional(1)[0] > 0.9 > 0.1 > policy.acceptance_of(chat).conditional(1)[0]
+    assert policy.drafting_pays([code]) and not policy.drafting_pays([chat])
+    assert policy.acceptance_of(new) is policy.acceptance  # nothing of its own yet
+    assert policy.wants_draft([code, chat])  # the batch's pass pays for the request whose drafts land
+
+
+def test_top_probability_calibration_learns_each_positions_acceptance():
+    """Protects: the online logistic fit turns the draft's top probability into what each position's outcomes
+    say (an overconfident slot 2 is pulled down, an underconfident slot 1 up), and a policy without a
+    confidence head reads it."""
+    cal = TopCalibration()
+    top = torch.tensor([0.5, 0.9])
+    torch.testing.assert_close(cal(top), top.double())  # before any outcome: the raw top probability
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2000):  # slot 1 accepted 90% of the time, slot 2 (when reached) 20%
+        first = bool(torch.rand(1, generator=gen) < 0.9)
+        second = first and bool(torch.rand(1, generator=gen) < 0.2)
+        cal.record(top, verified=2, accepted=int(first) + int(second))
+    c = cal(top)
+    assert abs(c[0] - 0.9) < 0.05 and abs(c[1] - 0.2) < 0.07
+    policy = CostPolicy(costs=COSTS, block_size=2)
+    policy.top_calibration = cal
+    p = Proposal(torch.tensor([1, 2]), draft_top=top)
+    assert policy.survival(p) == pytest.approx(torch.cumprod(c, 0).tolist())
+
+
 # ----- lossless end to end -----
 
 
@@ -259,6 +294,23 @@ def test_skipping_the_drafter_preserves_target_distribution():
 
     seen = assert_matches_target_distribution(run, target, [1, 2, 3, 4])
     assert seen["draft_skipped"] > 50 and seen["accepted_any"] > 50
+
+
+@pytest.mark.slow
+def test_calibrated_top_probability_preserves_target_distribution():
+    """Protects: at T=1 the cost policy on a drafter without a confidence head, reading the draft's top
+    probability through the online calibration fit from earlier outcomes (one policy across the runs, so the
+    fit moves), keeps the target's distribution."""
+    target = soft_target()
+    drafter = tiny_drafter(target, block_size=3, seed=4)
+    policy = CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]}), block_size=3)
+
+    def run(seed):
+        return generate_speculative(target, drafter, [1, 2, 3, 4], 3, SAMPLING, seed=seed, eos_ids=[], verify=policy)
+
+    seen = assert_matches_target_distribution(run, target, [1, 2, 3, 4])
+    assert seen["accepted_any"] > 50 and len(seen["verified"]) >= 2
+    assert policy.top_calibration.a and policy.top_calibration.a[0] != 1.0  # the fit really moved
 
 
 class PeekingPolicy(VerifyPolicy):

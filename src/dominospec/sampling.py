@@ -70,6 +70,23 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+def pick_per_row(logits: torch.Tensor, samplings, gens) -> tuple[torch.Tensor, list]:
+    """Row r of logits [R, ..., V] -> (picks [R, ...], the distribution row r was drawn from, or None where
+    greedy): the argmax, or a draw from warp_probs with gens[r], rows in order, each from its own generator."""
+    if all(s.greedy for s in samplings):
+        return logits.argmax(-1), [None] * logits.shape[0]  # one op for every row (the same argmaxes)
+    picks, dists = [], []
+    for r, (s, g) in enumerate(zip(samplings, gens)):
+        if s.greedy:
+            picks.append(logits[r].argmax(-1))
+            dists.append(None)
+        else:
+            p = warp_probs(logits[r], s)
+            picks.append(sample(p, g))
+            dists.append(p)
+    return torch.stack(picks), dists
+
+
 CANDIDATES = 256  # tokens the fast path of sample_rows looks at
 
 

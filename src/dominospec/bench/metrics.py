@@ -36,6 +36,7 @@ class PromptRun:
     verified: list[int] = field(default_factory=list)  # per cycle: drafts the target checked
     lookup_cycles: int = 0  # cycles whose drafts prompt lookup copied
     draft_skipped: int = 0  # cycles the cost policy ran as a plain decode step (drafting did not pay)
+    prompt_len: int = 0  # prompt tokens (where the run's context starts)
 
     @property
     def new_tokens(self) -> int:
@@ -63,6 +64,7 @@ class PromptRun:
             verified=list(res.verified),
             lookup_cycles=res.lookup_cycles,
             draft_skipped=getattr(res, "draft_skipped", 0),
+            prompt_len=getattr(res, "prompt_len", 0),
         )
 
 
@@ -149,6 +151,47 @@ def time_split(runs: Sequence[PromptRun]) -> dict:
         out["verify_ms_per_cycle"] = 1e3 * verify / cycles
         out["host_ms_per_cycle"] = 1e3 * (total - prefill - draft - verify) / cycles
     return out
+
+
+# ----- what the device profile predicts for the same cycles -----
+
+
+def _verify_row(profile: dict, context: float) -> dict[int, float]:
+    """k new tokens -> seconds of one target forward, at the profiled context closest to `context`."""
+    ctx = min(profile["verify"], key=lambda c: abs(int(c) - context))
+    row = profile["verify"][ctx]
+    return dict(zip(row["k"], row["seconds"]))
+
+
+def profile_prediction(runs: Sequence[PromptRun], profile: dict, draft_b: int | None = None) -> dict:
+    """The device profile's price for the cycles these runs ran, in ms, next to what the loop measured.
+
+    verify: one forward over verified[i] + 1 tokens per cycle, at the profiled context closest to the run's
+    middle (prompt + half its answer); None if a cycle verified more than the profile covers.
+    draft: the profile's draft cycle at draft_b drafts for every cycle the drafter ran (not skipped by the cost
+    policy, not a prompt-lookup copy), spread over all cycles as the measured figure is; None without draft_b.
+    decode step: one forward over one token, per token after the first (plain decoding's step).
+    """
+    verify_s, cycles, covered = 0.0, 0, True
+    step_s, steps = 0.0, 0
+    drafted = 0
+    for r in runs:
+        row = _verify_row(profile, r.prompt_len + r.new_tokens / 2)
+        for v in r.verified or [r.block_size] * r.cycles:
+            covered = covered and v + 1 in row
+            verify_s += row.get(v + 1, 0.0)
+        cycles += r.cycles
+        drafted += r.cycles - r.draft_skipped - r.lookup_cycles
+        if not r.cycles and r.new_tokens > 1:
+            step_s += row[1] * (r.new_tokens - 1)
+            steps += r.new_tokens - 1
+    draft = profile.get("draft") or {}
+    draft_s = dict(zip(draft.get("b", []), draft.get("seconds", []))).get(draft_b)
+    return {
+        "profile_verify_ms_per_cycle": 1e3 * verify_s / cycles if cycles and covered else None,
+        "profile_draft_ms_per_cycle": 1e3 * draft_s * drafted / cycles if cycles and draft_s else None,
+        "profile_decode_ms_per_step": 1e3 * step_s / steps if steps else None,
+    }
 
 
 # ----- losslessness -----

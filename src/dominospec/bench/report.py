@@ -75,13 +75,15 @@ def format_acceptance_table(methods: dict, key: str) -> str:
 
 def format_time_table(methods: dict) -> str:
     lines = [
-        "| method | prefill ms/prompt | draft ms/cycle | verify ms/cycle | other host ms/cycle | ms/token |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | prefill ms/prompt | draft ms/cycle | (profile) | verify ms/cycle | (profile) | other host ms/cycle "
+        "| ms/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in methods.items():
         lines.append(
             f"| {name} | {fmt(m['prefill_ms_per_prompt'], 1)} | {fmt(m['draft_ms_per_cycle'], 1)} | "
-            f"{fmt(m['verify_ms_per_cycle'], 1)} | {fmt(m['host_ms_per_cycle'], 1)} | "
+            f"{fmt(m.get('profile_draft_ms_per_cycle'), 1)} | {fmt(m['verify_ms_per_cycle'], 1)} | "
+            f"{fmt(m.get('profile_verify_ms_per_cycle'), 1)} | {fmt(m['host_ms_per_cycle'], 1)} | "
             f"{fmt(m['ms_per_token'], 1)} |"
         )
     return "\n".join(lines)
@@ -133,7 +135,10 @@ def render_report(results: dict, plots: bool = False) -> str:
         "Per cycle: draft (backbone + head rollout), verify (one target forward over the block, acceptance, "
         "target cache rollback, and the drafter's context-cache update), other host (the rest of the loop: "
         "total - prefill - draft - verify). Per-token latency is (draft + verify + other) / tau. "
-        "hf and pld run inside transformers, so only their total is known.",
+        "hf and pld run inside transformers, so only their total is known. (profile): what the stored device "
+        "profile (`dominospec profile`) prices the same cycles at: its verify forward at each cycle's k + 1 tokens "
+        "(nearest profiled context), its draft cycle for every cycle the drafter ran; a measured figure above it "
+        "is loop overhead the profile does not see.",
         "",
         format_time_table(results["methods"]),
         "",
@@ -148,7 +153,9 @@ def render_report(results: dict, plots: bool = False) -> str:
             for n, m in results["methods"].items()
             if m.get("verify_ms_per_cycle")
         ]
-        parts += [f"One plain decode step (ar) costs {step:.1f} ms."] + ([""] + rows if rows else []) + [""]
+        predicted = ar.get("profile_decode_ms_per_step")
+        said = f" (the profile: {predicted:.1f} ms)" if predicted else ""
+        parts += [f"One plain decode step (ar) costs {step:.1f} ms{said}."] + ([""] + rows if rows else []) + [""]
     mism = [x for m in results["methods"].values() for x in m.get("mismatched_prompts", [])]
     parts += ["## Losslessness", ""]
     if cfg["temperature"] != 0:

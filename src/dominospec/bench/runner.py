@@ -32,10 +32,10 @@ from ..io import ensure_writable_dir, write_atomic, write_json_atomic
 from ..log import log
 from ..sampling import SamplingConfig
 from ..targets.context import cap_new_tokens, encode_if_fits
-from ..tune.profile import precision
+from ..tune.profile import load_profile, precision, profile_drafter_label
 from ..version import __version__
 from .methods import METHOD_GROUPS, Method, PromptLookupAlone, Speculative
-from .metrics import REFERENCE, PromptRun, summarize, tokens_per_second
+from .metrics import REFERENCE, PromptRun, profile_prediction, summarize, tokens_per_second
 from .report import render_report, write_plots
 
 WARMUP_TOKENS = 8
@@ -145,6 +145,25 @@ def summarize_benchmark(
     return {"methods": overall, "per_dataset": per_dataset}
 
 
+def add_profile_prediction(
+    methods_summary: dict, runs: Sequence[PromptRun], methods: Sequence[Method], profile
+) -> None:
+    """Each method's summary gains the stored device profile's price of the cycles it ran (metrics.profile_prediction):
+    profile_draft_ms_per_cycle (only where the profile timed this drafter), profile_verify_ms_per_cycle and,
+    for plain decoding, profile_decode_ms_per_step, next to the measured figures so a gap shows."""
+    drafter_in_profile = ((profile or {}).get("draft") or {}).get("drafter")
+    for m in methods:
+        summary = methods_summary[m.name]
+        if profile is None:
+            summary.update(profile_verify_ms_per_cycle=None, profile_draft_ms_per_cycle=None)
+            continue
+        b = None
+        drafter = getattr(m, "drafter", None)
+        if drafter is not None and profile_drafter_label(drafter) == drafter_in_profile:
+            b = m.block_size or drafter.config.block_size
+        summary.update(profile_prediction([r for r in runs if r.method == m.name], profile, b))
+
+
 def benchmark(
     target,
     datasets: dict[str, list[list[int]]],
@@ -182,6 +201,17 @@ def benchmark(
         )
     uncompared = [m.name for m in methods if not m.compared]
     summary = summarize_benchmark(runs, [m.name for m in methods], list(datasets), compare, uncompared)
+    try:
+        profile = load_profile(target)
+    except DominoError as exc:
+        profile = None
+        notes.append(f"the device profile was not read ({exc}): no predicted draft / verify ms")
+    if profile is None:
+        notes.append(
+            "no stored device profile for this target and thread count: run `dominospec profile` to see "
+            "its predicted draft / verify ms per cycle next to the measured ones"
+        )
+    add_profile_prediction(summary["methods"], runs, methods, profile)
     if compare and target.dtype not in (torch.float32, torch.float64):
         # reduced precision: a mismatch is acceptable only where the target itself was near a tie
         for name, m in summary["methods"].items():
@@ -234,6 +264,7 @@ def benchmark(
                     "verified": r.verified,
                     "lookup_cycles": r.lookup_cycles,
                     "draft_skipped": r.draft_skipped,
+                    "prompt_len": r.prompt_len,
                     "tokens": r.tokens,
                 }
             )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig, sample, warp_probs
+from ..sampling import SamplingConfig, pick_per_row
 
 
 @dataclass
@@ -50,61 +50,57 @@ def draft_rows(
     return rollout(drafter, z, anchors, bs, samplings, gens, use_head, top)
 
 
-def _pick(logits: torch.Tensor, samplings, gens) -> tuple[torch.Tensor, list]:
-    """Row r of logits [R, ..., V'] -> its drafts (argmax, or drawn with gens[r]) and, when drawn, the
-    distribution it was drawn from. Each row's draws come from its own generator, in row order."""
-    picks, dists = [], []
-    for r, (s, g) in enumerate(zip(samplings, gens)):
-        if s.greedy:
-            picks.append(logits[r].argmax(-1))
-            dists.append(None)
-        else:
-            p = warp_probs(logits[r], s)
-            picks.append(sample(p, g))
-            dists.append(p)
-    return torch.stack(picks), dists
-
-
 def rollout(drafter, z: torch.Tensor, anchors: torch.Tensor, bs: list[int], samplings, gens, use_head=True, top=False):
     """The head's left-to-right rollout for R blocks at once: z [R, B, H], anchors [R] -> R Proposals.
 
     top: also give each slot's largest (unwarped) draft probability (Proposal.draft_top).
+    On CPU fp32 the drafter's packed path (drafter/fast.py) runs it; elsewhere the library path.
     """
     R, b = z.shape[0], max(bs)
-    z = z[:, :b]
+    fast = drafter.fast() if hasattr(drafter, "fast") else None
+    if fast is not None:
+        drafts, dists, confidence, tops = fast.rollout(z[:, :b], anchors, samplings, gens, use_head, top)
+    else:
+        drafts, dists, confidence, tops = _rollout_library(drafter, z[:, :b], anchors, samplings, gens, use_head, top)
+    out = []
+    for r in range(R):
+        n = bs[r]
+        probs = None if dists[r] is None else drafter.to_target_probs(dists[r][:n])
+        conf_r = confidence[r, :n] if confidence is not None else None
+        out.append(Proposal(drafts[r, :n], probs, conf_r, draft_top=None if tops is None else tops[r, :n]))
+    return out
+
+
+def _rollout_library(drafter, z, anchors, samplings, gens, use_head, top):
+    """The rollout on library ops, slot by slot: z [R, b, H] -> (drafts [R, b], per-row [b, V'] distributions
+    or None, confidence logits [R, b] or None, top probabilities [R, b] or None)."""
+    R, b = z.shape[:2]
     base = drafter.base_logits(z.reshape(R * b, -1)).view(R, b, -1)  # [R, b, V'] (V' = draft vocabulary)
     head, conf = drafter.head, drafter.confidence
     if not use_head or not head.corrects:
-        picks, dists = _pick(base, samplings, gens)  # [R, b]
+        picks, dists = pick_per_row(base, samplings, gens)  # [R, b]
         drafts = drafter.to_target_ids(picks)
         confidence = None
         if conf is not None:  # slot k reads the token before it: the anchor, then the drafts
             prev = torch.cat([anchors[:, None], drafts[:, :-1]], dim=1)  # [R, b]
             confidence = conf(z, drafter.embed(prev).to(z.dtype))  # [R, b]
-        steps = [(drafts[:, k], [d if d is None else d[k : k + 1] for d in dists]) for k in range(b)]
         tops = torch.softmax(base.float(), -1).amax(-1) if top else None  # [R, b]
-    else:
-        steps, confidence, prev, tops = [], [], anchors, []  # prev [R] target ids
-        state = head.init_state(z[:, 0])
-        for k in range(b):
-            prev_emb = drafter.embed(prev)
-            if conf is not None:
-                confidence.append(conf(z[:, k], prev_emb.to(z.dtype)))  # [R]
-            delta, state = head.step(k, z[:, k], prev_emb, prev, state)
-            logits = base[:, k] if delta is None else base[:, k] + delta  # [R, V']
-            if top:
-                tops.append(torch.softmax(logits.float(), -1).amax(-1))  # [R]
-            picks, dists = _pick(logits[:, None], samplings, gens)  # [R, 1]
-            prev = drafter.to_target_ids(picks[:, 0])
-            steps.append((prev, dists))
-        confidence = torch.stack(confidence, dim=1) if confidence else None
-        tops = torch.stack(tops, dim=1) if top else None
-    out = []
-    for r in range(R):
-        drafts = torch.stack([t[r] for t, _ in steps])[: bs[r]]
-        probs = None
-        if not samplings[r].greedy:
-            probs = drafter.to_target_probs(torch.cat([d[r] for _, d in steps])[: bs[r]])
-        conf_r = confidence[r, : bs[r]] if confidence is not None else None
-        out.append(Proposal(drafts, probs, conf_r, draft_top=None if tops is None else tops[r, : bs[r]]))
-    return out
+        return drafts, dists, confidence, tops
+    steps, confidence, prev, tops = [], [], anchors, []  # prev [R] target ids
+    state = head.init_state(z[:, 0])
+    for k in range(b):
+        prev_emb = drafter.embed(prev)
+        if conf is not None:
+            confidence.append(conf(z[:, k], prev_emb.to(z.dtype)))  # [R]
+        delta, state = head.step(k, z[:, k], prev_emb, prev, state)
+        logits = base[:, k] if delta is None else base[:, k] + delta  # [R, V']
+        if top:
+            tops.append(torch.softmax(logits.float(), -1).amax(-1))  # [R]
+        picks, dists = pick_per_row(logits[:, None], samplings, gens)  # [R, 1]
+        prev = drafter.to_target_ids(picks[:, 0])
+        steps.append((prev, dists))
+    drafts = torch.stack([t for t, _ in steps], dim=1)  # [R, b]
+    dists = [None if s.greedy else torch.cat([d[r] for _, d in steps]) for r, s in enumerate(samplings)]
+    confidence = torch.stack(confidence, dim=1) if confidence else None
+    tops = torch.stack(tops, dim=1) if top else None
+    return drafts, dists, confidence, tops

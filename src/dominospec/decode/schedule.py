@@ -73,9 +73,11 @@ def check_threshold(threshold: float, flag: str = "--confidence-threshold") -> f
 
 
 def profile_drafter_label(drafter) -> str:
-    """How a device profile names the drafter whose draft cost it measured."""
+    """How a device profile names the drafter whose draft cost it measured (and on which path: a table
+    timed on the library path is measured again for the packed one, and back)."""
     c = drafter.config
-    return c.target_name + f"/{c.head}-{c.num_layers}L"
+    packed = getattr(drafter, "inference_path", "library") == "packed"
+    return c.target_name + f"/{c.head}-{c.num_layers}L" + ("/packed" if packed else "")
 
 
 def calibrated_confidence(logits: torch.Tensor, temperatures: Sequence[float] | None) -> torch.Tensor:
@@ -96,6 +98,47 @@ def draft_confidence(proposal: Proposal) -> torch.Tensor:
     if proposal.draft_top is not None:
         return proposal.draft_top.double()
     return torch.full((len(proposal),), 0.5, dtype=torch.float64)
+
+
+class TopCalibration:
+    """P(draft k accepted | drafts < k were) from the draft's own top probability q_k, per position k:
+    sigmoid(a_k * logit(q_k) + b_k), fit online by one logistic-loss gradient step per judged position from
+    the accept / reject outcomes of earlier cycles (vLLM's confidence for heads without a confidence head).
+    Starts at a = 1, b = 0 (the raw top probability). Reads only q (never the drafted token) and past
+    outcomes, so a policy on it stays lossless."""
+
+    def __init__(self, lr: float = 0.05, eps: float = 1e-4):
+        self.lr, self.eps = lr, eps
+        self.a: list[float] = []
+        self.b: list[float] = []
+
+    def _logit(self, q: float) -> float:
+        q = min(max(q, self.eps), 1 - self.eps)
+        return math.log(q / (1 - q))
+
+    def _fit(self, k: int) -> tuple[float, float]:
+        return (self.a[k], self.b[k]) if k < len(self.a) else (1.0, 0.0)
+
+    def __call__(self, top: torch.Tensor) -> torch.Tensor:
+        """Calibrated conditional confidences [b] for one proposal's top probabilities top [b]."""
+        out = []
+        for k, q in enumerate(top.double().cpu().tolist()):
+            a, b = self._fit(k)
+            out.append(1.0 / (1.0 + math.exp(-(a * self._logit(q) + b))))
+        return torch.tensor(out, dtype=torch.float64)
+
+    def record(self, top: torch.Tensor, verified: int, accepted: int) -> None:
+        """Positions up to the first rejection were judged: label 1 for the accepted ones."""
+        qs = top.double().cpu().tolist()
+        for k in range(min(verified, accepted + 1, len(qs))):
+            while len(self.a) <= k:
+                self.a.append(1.0)
+                self.b.append(0.0)
+            x = self._logit(qs[k])
+            p = 1.0 / (1.0 + math.exp(-(self.a[k] * x + self.b[k])))
+            g = p - float(k < accepted)  # d(log loss) / d(a x + b)
+            self.a[k] -= self.lr * g * x
+            self.b[k] -= self.lr * g
 
 
 # ----- what a step costs -----
@@ -263,8 +306,8 @@ class VerifyPolicy:
         """k per row ([R]), from the proposals (drafts, confidences) and the rows' state only."""
         return [0 if p is None else len(p) for p in proposals]
 
-    def observe(self, proposal: Proposal, verified: int, accepted: int) -> None:
-        """The outcome of a cycle with a proposal."""
+    def observe(self, proposal: Proposal, verified: int, accepted: int, row=None) -> None:
+        """The outcome of a cycle with a proposal (row: the SeqState it was made for, where known)."""
 
     def describe(self) -> dict:
         return {"verify": self.name}
@@ -280,6 +323,7 @@ class ConfidencePolicy(VerifyPolicy):
 
     temperatures: list[float] | None = None
     note: str = ""  # where the temperatures came from
+    top_calibration: TopCalibration | None = None  # without a confidence head: the draft's top probability, fit online
 
     def confidences(self, proposal: Proposal) -> torch.Tensor | None:
         if proposal.confidence_logits is None:
@@ -290,6 +334,8 @@ class ConfidencePolicy(VerifyPolicy):
     def survival(self, proposal: Proposal) -> list[float]:
         """a_j for one proposal: calibrated confidences, else the draft's own top probability (no head)."""
         c = self.confidences(proposal)
+        if c is None and proposal.draft_top is not None and self.top_calibration is not None:
+            c = self.top_calibration(proposal.draft_top)
         if c is None:
             c = draft_confidence(proposal)
         return torch.cumprod(c.double().cpu(), 0).tolist()
@@ -314,6 +360,9 @@ class StaticPolicy(ConfidencePolicy):
 
     def describe(self) -> dict:
         return {"verify": self.name, "confidence_threshold": self.threshold, "calibration": self.note}
+
+
+ROW_ACCEPTANCE = "running_acceptance"  # SeqState.extra: the request's own RunningAcceptance (cost policy)
 
 
 class RunningAcceptance:
@@ -369,7 +418,8 @@ def _samples(rows: Sequence) -> bool:
 
 @dataclass
 class CostPolicy(ConfidencePolicy):
-    """DSpark's Algorithm 1 over the rows of a step, and the skip-and-probe decision before it.
+    """DSpark's Algorithm 1 over the rows of a step, and the skip-and-probe decision before it, from each
+    request's own running acceptance (SeqState.extra, from its first drafter cycle; the pooled one before).
 
     costs: a CostTable (batch 1) or BatchCostTable (the engine), anything with step_seconds and
     drafting_costs."""
@@ -385,6 +435,8 @@ class CostPolicy(ConfidencePolicy):
 
     def start(self) -> None:
         self.acceptance = RunningAcceptance(prior=self.prior)
+        if self.top_calibration is None:  # kept across generations: it learns the drafter, not the request
+            self.top_calibration = TopCalibration()
         self.skipped_in_a_row = 0
         self.skipped = 0
 
@@ -410,17 +462,20 @@ class CostPolicy(ConfidencePolicy):
             [r.sampling.greedy for r in rows],
         )
 
+    def acceptance_of(self, row) -> RunningAcceptance:
+        """The row's own running acceptance once it has drafted, else the pooled one (every drafter cycle)."""
+        extra = getattr(row, "extra", None)
+        return (extra or {}).get(ROW_ACCEPTANCE) or self.acceptance
+
     def drafting_pays(self, rows: Sequence) -> bool:
-        """Whether a step with a drafter pass, at the running acceptance, beats a plain step of these rows
-        (the best allocation of the whole curve, from earlier cycles' outcomes only)."""
+        """Whether a step with a drafter pass, at each row's own running acceptance, beats a plain step of
+        these rows (the best allocation of the whole curves, from earlier cycles' outcomes only)."""
         R, context, sampled = len(rows), _context(rows), _samples(rows)
-        survival = self.acceptance.survival(self.block_size)
-        ks = allocate_verify(
-            [survival] * R, lambda B: self.costs.step_seconds(R, B, context, sampled=sampled), [True] * R
-        )
+        survival = [self.acceptance_of(r).survival(self.block_size) for r in rows]  # [R][b]
+        ks = allocate_verify(survival, lambda B: self.costs.step_seconds(R, B, context, sampled=sampled), [True] * R)
         if not any(ks):
             return False
-        tau = R + sum(sum(survival[:k]) for k in ks)
+        tau = R + sum(sum(s[:k]) for s, k in zip(survival, ks))
         with_draft = tau / self.costs.step_seconds(R, R + sum(ks), context, sampled=sampled)
         return with_draft > R / self.costs.step_seconds(R, R, context, draft=False)
 
@@ -432,9 +487,17 @@ class CostPolicy(ConfidencePolicy):
         self.skipped += 1
         return False
 
-    def observe(self, proposal: Proposal, verified: int, accepted: int) -> None:
-        if proposal.source == "drafter":
-            self.acceptance.record(verified, accepted)
+    def observe(self, proposal: Proposal, verified: int, accepted: int, row=None) -> None:
+        if proposal.source != "drafter":
+            return
+        self.acceptance.record(verified, accepted)
+        if proposal.draft_top is not None:
+            self.top_calibration.record(proposal.draft_top, verified, accepted)
+        if row is not None:  # the request's own estimate starts from the pooled one (worth two cycles)
+            own = row.extra.get(ROW_ACCEPTANCE)
+            if own is None:
+                own = row.extra[ROW_ACCEPTANCE] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
+            own.record(verified, accepted)
 
     def describe(self) -> dict:
         d = {"verify": self.name, "calibration": self.note, "search": "first drop (sampled), whole curve (greedy)"}

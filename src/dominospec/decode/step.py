@@ -322,7 +322,7 @@ def step(
         i = r.slot - lo
         proposer.observe(r, p, k, n, out.features[i : i + 1, : n + 1] if feats else None)  # [1, n+1, F]
         if p is not None:
-            policy.observe(p, k, n)
+            policy.observe(p, k, n, r)  # the request's own acceptance, and the pooled one
     t3 = _clock(dev, timed)
     return StepResult(plan, accepted, new, errors, (t1 - t0) + (t3 - t2), t2 - t1)
 

@@ -21,9 +21,11 @@ from torch import nn
 
 from ..errors import DominoError
 from ..targets.features import check_layer_ids
+from ..targets.kernels import load_kernels
 from ..targets.native import KVCache
 from .checkpoint import CONFIG_NAME, check_draft_vocab, check_state, read_checkpoint, save_checkpoint
 from .config import DrafterConfig
+from .fast import PackedDrafter, fast_enabled, watched_tensors
 from .heads import HEADS, ConfidenceHead
 from .layers import DraftLayer, RMSNorm, block_attention_mask, rope_tables
 
@@ -61,6 +63,8 @@ class Drafter(nn.Module):
         # registered as submodules nor saved, moved or trained with the drafter
         self._borrowed: tuple[nn.Module, nn.Module] | None = None
         self._head_rows: torch.Tensor | None = None  # LM-head rows of the draft vocabulary
+        self._target_head_kernel = None  # the target's packed LM head (native CPU fp32), for the fast path
+        self._packed: PackedDrafter | None = None  # inference copies on the small-row kernel (fast.py)
 
     @staticmethod
     def _init(m):
@@ -87,8 +91,59 @@ class Drafter(nn.Module):
         self.check_fits(target)
         self.to(device=target.device, dtype=target.dtype)
         self._borrowed = (target.input_embeddings(), target.output_embeddings())
+        self._drop_stale_pack()  # the same target again keeps them (attach is cheap to repeat)
+        self._target_head_kernel = None
+        native_head = getattr(getattr(target, "native", None), "lm_head", None)
+        if getattr(self._borrowed[1], "bias", None) is None and getattr(native_head, "bias", None) is None:
+            self._target_head_kernel = getattr(native_head, "kernel", None)
         self.refresh_head_rows()
+        if not self.training:  # an inference drafter packs now, not inside its first timed cycle
+            with torch.no_grad():
+                self.fast()
         return self
+
+    @property
+    def inference_path(self) -> str:
+        """ "packed" where decoding runs drafter/fast.py (CPU float32, kernel built, attached, switch on), else
+        "library": what a draft-cost measurement is valid for."""
+        if self._borrowed is None or not fast_enabled():
+            return "library"
+        w = self.fc.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or self._tables()[1].weight.dtype != torch.float32:
+            return "library"
+        return "packed" if load_kernels() is not None else "library"
+
+    def fast(self) -> PackedDrafter | None:
+        """The packed inference path (drafter/fast.py), or None where the library path runs: autograd on
+        (training), or not `inference_path` "packed". Packed at first use and again whenever a weight
+        changed (storage or version counter)."""
+        if torch.is_grad_enabled() or self.inference_path != "packed":
+            return None
+        module = load_kernels()
+        packed = self._packed  # one read: another thread may repack meanwhile
+        if packed is None or packed.watch.stale():
+            packed = self._packed = PackedDrafter(self, module)
+        return packed
+
+    def __getstate__(self):  # copies and pickles leave the packed copies behind (made again at next use)
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_packed": None, "_target_head_kernel": None}
+
+    def _drop_stale_pack(self) -> None:
+        """Forget the packed copies if a watched tensor was replaced or changed (they are made again at next use)."""
+        packed = getattr(self, "_packed", None)
+        if packed is not None and not packed.watch.covers(watched_tensors(self)):
+            self._packed = None
+
+    def _apply(self, fn, *args, **kwargs):  # .to() / .float() may replace the watched tensors
+        out = super()._apply(fn, *args, **kwargs)
+        self._drop_stale_pack()
+        return out
+
+    def load_state_dict(self, *args, **kwargs):  # assign=True replaces them
+        out = super().load_state_dict(*args, **kwargs)
+        self._drop_stale_pack()
+        return out
 
     def check_fits(self, target) -> None:
         c = self.config
@@ -121,6 +176,9 @@ class Drafter(nn.Module):
 
     def base_logits(self, z: torch.Tensor) -> torch.Tensor:
         """The frozen LM head on z [..., H] -> [..., out_vocab] (draft-vocabulary rows only)."""
+        fast = self.fast()
+        if fast is not None:
+            return fast.base_logits(z)
         w = self._tables()[1].weight if self._head_rows is None else self._head_rows
         return F.linear(z, w.to(z.dtype))
 
@@ -159,6 +217,9 @@ class Drafter(nn.Module):
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [N, S, n*H] -> context rows [N, S, H]."""
+        fast = self.fast()
+        if fast is not None:
+            return fast.context(features)
         return self.ctx_norm(self.fc(features.to(self.dtype)))
 
     # ----- inference: blocks over a cached context, one sequence or many in cache slots -----
@@ -182,11 +243,15 @@ class Drafter(nn.Module):
             return
         rows, slot, start = cache.rows, cache.slot, cache.length
         rows.ensure(start + s)
-        ctx = self.context(features)
         pos = torch.arange(start, start + s, device=features.device).unsqueeze(0)
-        cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta, ctx.dtype)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.kv(ctx, cos, sin)  # [1, kv, S, D]
+        fast = self.fast()
+        if fast is not None:
+            kvs = fast.context_kv(fast.context(features), pos)
+        else:
+            ctx = self.context(features)
+            cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+            kvs = [layer.kv(ctx, cos, sin) for layer in self.layers]
+        for i, (k, v) in enumerate(kvs):  # [1, kv, S, D] each
             rows.k[i, slot, :, start : start + s] = k[0]
             rows.v[i, slot, :, start : start + s] = v[0]
         rows.lengths[slot] = start + s
@@ -205,13 +270,17 @@ class Drafter(nn.Module):
         lens = [rows.lengths[s] for s in slots]
         C, bs, dev = max(lens), self.config.block_size, x.device
         pos = torch.tensor(lens, device=dev)[:, None] + torch.arange(bs, device=dev)  # [R, B]
-        cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
         mask = None
         if len(set(lens)) > 1:  # [R, 1, B, C + B]: own context, then the whole block
             ctx_ok = torch.arange(C, device=dev) < torch.tensor(lens, device=dev)[:, None]  # [R, C]
             mask = torch.cat([ctx_ok, ctx_ok.new_ones(len(slots), bs)], dim=1)[:, None, None, :].expand(-1, 1, bs, -1)
         first = slots[0]
         sel = slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else slots
+        fast = self.fast()
+        if fast is not None:
+            ctx_kv = [(rows.k[i, sel, :, :C], rows.v[i, sel, :, :C]) for i in range(len(self.layers))]
+            return fast.block(x, pos, ctx_kv, mask)
+        cos, sin = rope_tables(pos, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
             ck, cv = rows.k[i, sel, :, :C], rows.v[i, sel, :, :C]  # [R, kv, C, D] (a gather copies)
             x = layer(x, cos, sin, ck, cv, mask=mask)
