@@ -169,6 +169,12 @@ def test_mixed_draw_alternates_categories_and_skip_continues_it(tmp_path):
     assert {name: s["conversations"] for name, s in record["sources"].items()} == kept
 
 
+@pytest.mark.parametrize("spec", ["mix:prompts/train", "mix:prompts/train:0", "mix::5", "mix:prompts/train:x"])
+def test_a_malformed_mix_spec_is_refused_naming_it(spec):
+    with pytest.raises(DominoError, match="expected mix:DIR:N"):
+        load_prompts([spec])
+
+
 def test_a_changed_prompt_file_is_refused(tmp_path):
     folder = mixed_source(tmp_path)
     path = folder / "sgd-train.jsonl.gz"

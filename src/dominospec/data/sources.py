@@ -120,9 +120,9 @@ def _count_mix(record: dict, conversations: list[Conversation], categories: dict
 
 def _mix_spec(spec: str) -> tuple[str, int]:
     folder, _, n = spec[4:].rpartition(":")
-    if not folder:
-        raise DominoError(f"--prompts {spec!r}: expected mix:DIR:N (a folder of imported prompts, a count)")
-    return folder, _count(f"mix:{n}")
+    if not folder or not n.isdigit() or int(n) < 1:
+        raise DominoError(f"--prompts {spec!r}: expected mix:DIR:N (a folder of imported prompts, a count >= 1)")
+    return folder, int(n)
 
 
 SELF_PROMPTS_PREFIX = ".self-prompts-"  # OUT/.self-prompts-N-seedS.json: a run's self-written questions
