@@ -3,6 +3,8 @@ benchmark overlap refused, and the mixed draw prepare-data reads (balanced, cont
 
 import gzip
 import json
+import os
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -207,3 +209,18 @@ def test_shipped_prompt_sources_are_recorded_and_share_nothing_with_the_eval_set
     reference = build_reference(EVAL_SETS)
     prompts = [(cid, turns) for source in rows.values() for cid, turns, _ in source]
     assert find_overlaps(prompts, reference) == []
+
+
+def test_grow_data_chunks_continue_one_draw(tmp_path):
+    """scripts/grow_data.sh: chunk k is prompts [k*CHUNK, (k+1)*CHUNK) of one seeded mix, its own --out."""
+    env = dict(os.environ, DOMINOSPEC="echo", FEATURES=str(tmp_path), FIRST="2", LAST="3", CHUNK="10")
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "grow_data.sh")], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    calls = [line.split() for line in out.splitlines() if line.startswith("prepare-data")]
+    assert len(calls) == 2
+    for k, call in zip((2, 3), calls):
+        arg = dict(zip(call, call[1:]))
+        assert arg["--prompts"] == f"mix:prompts/train:{10 * (k + 1)}" and arg["--skip"] == str(10 * k)
+        assert arg["--seed"] == "21" and arg["--out"] == f"runs/data/mix-s21-c{k}"
+        assert arg["--extend"] == "data/smollm2-135m" and arg["--feature-cache"] == str(tmp_path)
