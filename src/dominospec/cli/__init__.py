@@ -4,6 +4,7 @@ common.py     flags several subcommands share (target, sampling, drafter shape, 
 generate.py   dominospec generate
 init.py       dominospec init
 prepare.py    dominospec prepare-data
+import_prompts.py  dominospec import-prompts
 train.py      dominospec train (over train/run.py)
 calibrate.py  dominospec calibrate
 bench.py      dominospec bench
@@ -25,9 +26,35 @@ import sys
 from ..errors import DominoError
 from ..io import forget_created_dirs, remove_unused_dirs
 from ..version import __version__
-from . import bench, calibrate, custom_generate, export, generate, init, loadtest, prepare, profile, serve, train
+from . import (
+    bench,
+    calibrate,
+    custom_generate,
+    export,
+    generate,
+    import_prompts,
+    init,
+    loadtest,
+    prepare,
+    profile,
+    serve,
+    train,
+)
 
-SUBCOMMANDS = [generate, init, prepare, train, calibrate, bench, profile, export, custom_generate, serve, loadtest]
+SUBCOMMANDS = [
+    generate,
+    init,
+    import_prompts,
+    prepare,
+    train,
+    calibrate,
+    bench,
+    profile,
+    export,
+    custom_generate,
+    serve,
+    loadtest,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -115,8 +115,9 @@ def add_parser(sub) -> None:
         "builtin:N (offline prompts from the Python stdlib, math templates, man pages), "
         "self:N (questions the target writes itself, deduplicated, degenerate ones dropped), "
         "pydoc:N (off-policy: stdlib docstrings and source as answers the target did not write, supervised "
-        "where the target's greedy pick agrees; one prefill pass each, see docs/data.md) or "
-        "hf:NAME[:SPLIT]; repeat to mix sources",
+        "where the target's greedy pick agrees; one prefill pass each, see docs/data.md), "
+        "mix:DIR:N (the first N prompts imported into DIR by `dominospec import-prompts`, categories taking "
+        "turns, shuffled by --seed) or hf:NAME[:SPLIT]; repeat to mix sources",
     )
     p.add_argument("--out", required=True, help="output directory (created; an existing one is resumed)")
     p.add_argument(

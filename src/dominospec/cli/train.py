@@ -10,6 +10,7 @@ from ..data.dataset import check_data_dir
 from ..drafter.checkpoint import read_checkpoint
 from ..errors import DominoError
 from ..export.plan import why_not_exact
+from ..train.objectives import POSITION_WEIGHTS
 from ..train.run import TRAIN_LABELS, TrainJob, train_drafter
 from ..train.trainer import TrainConfig
 from .common import (
@@ -34,6 +35,9 @@ def cmd_train(args) -> int:
         lr=args.lr,
         distill=args.distill,
         gamma=args.gamma,
+        position_weighting=args.position_weighting,
+        accept_loss=args.accept_loss,
+        entropy_keep=args.entropy_keep,
         lambda_start=args.lambda_start,
         lambda_decay=args.lambda_decay,
         max_seq_len=args.max_seq_len,
@@ -155,6 +159,27 @@ def add_parser(sub) -> None:
         type=float,
         default=default(TrainConfig, "gamma"),
         help="position-decay constant (default 7*block/16)",
+    )
+    p.add_argument(
+        "--position-weighting",
+        choices=POSITION_WEIGHTS,
+        default=default(TrainConfig, "position_weighting"),
+        help="slot weights of a block: decay, exp(-k/gamma); dpace, 0.5 + 0.5 x the chance the current "
+        "drafter's draft survives to the slot (D-PACE) (default %(default)s)",
+    )
+    p.add_argument(
+        "--accept-loss",
+        type=float,
+        default=default(TrainConfig, "accept_loss"),
+        help="weight in [0, 1] of an acceptance-aligned loss, -log sum_v min(p_target, q_draft) per slot "
+        "(LK-style), mixed with the head's own loss (default %(default)s: off)",
+    )
+    p.add_argument(
+        "--entropy-keep",
+        type=float,
+        default=default(TrainConfig, "entropy_keep"),
+        help="train on this fraction of the supervised slots of each micro-batch, those where the target is "
+        "least certain (highest entropy), weighted 1/F (default %(default)s: all)",
     )
     p.add_argument(
         "--lambda-start",

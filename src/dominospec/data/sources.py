@@ -1,14 +1,16 @@
-"""Resolving --prompts values (FILE, builtin[:N], self:N, pydoc:N, hf:NAME[:SPLIT]) into conversations."""
+"""Resolving --prompts values (FILE, builtin[:N], self:N, pydoc:N, mix:DIR:N, hf:NAME[:SPLIT]) into conversations."""
 
 from __future__ import annotations
 
 import hashlib
 import sys
+from collections import Counter
 from pathlib import Path
 
 from ..errors import DominoError
 from ..io import read_json_object, write_json_atomic
 from .builtin import builtin_prompts
+from .imports import mixed_order, read_imported
 from .offpolicy import LABEL_KINDS, pydoc_texts
 from .prompts import Conversation, check_prompt_file, load_hf_dataset, read_prompt_file
 from .selfwritten import self_written_prompts
@@ -38,9 +40,12 @@ def load_prompts(
     prompts after builtin:1024 of the same seed) and `limit` then keeps the first N. A source record
     counts the conversations it gave after the skip, and says how many it skipped.
     """
-    conversations, sources, names = [], [], set()
+    conversations, sources, names, categories = [], [], set(), {}
     for spec in specs:
-        if spec == "builtin" or spec.startswith("builtin:"):
+        if spec.startswith("mix:"):
+            convs, record, cats = _mix(spec, seed)
+            categories.update(cats)
+        elif spec == "builtin" or spec.startswith("builtin:"):
             n = _builtin_count(spec, limit)
             convs, record = builtin_prompts(n, seed), {"spec": spec, "kind": "builtin", "seed": seed}
         elif spec.startswith("self:"):
@@ -78,11 +83,46 @@ def load_prompts(
             left -= record["skipped"]
     if limit is not None:
         conversations = conversations[:limit]
+    for record in sources:
+        if record["kind"] == "mix":
+            _count_mix(record, conversations, categories)
     ids = [c.id for c in conversations]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise DominoError(f"conversation id {dup!r} appears twice: give each prompt source once")
     return conversations, sources
+
+
+def _mix(spec: str, seed: int) -> tuple[list[Conversation], dict, dict[str, str]]:
+    """mix:DIR:N: the first N prompts of DIR's imported sources, categories taking turns (imports.py)."""
+    folder, n = _mix_spec(spec)
+    manifest, rows = read_imported(folder)
+    order = mixed_order(rows, seed)
+    if n > len(order):
+        raise DominoError(f"--prompts {spec}: {folder} holds only {len(order)} prompts")
+    order = order[:n]
+    convs = [Conversation(tuple(turns), cid) for cid, turns, _ in order]
+    record = {"spec": spec, "kind": "mix", "seed": seed, "sources": manifest["sources"]}
+    return convs, record, {cid: category for cid, _, category in order}
+
+
+def _count_mix(record: dict, conversations: list[Conversation], categories: dict[str, str]) -> None:
+    """A mix record's counts of the conversations the run keeps, by source and by category."""
+    kept = [c.id for c in conversations if c.id in categories]
+    by_source = Counter(cid.rsplit(":", 1)[0] for cid in kept)
+    record["sources"] = {
+        name: {key: v for key, v in entry.items() if key in ("licence", "url", "commit", "file", "sha256")}
+        | {"conversations": by_source[name]}
+        for name, entry in record["sources"].items()
+    }
+    record["categories"] = dict(sorted(Counter(categories[cid] for cid in kept).items()))
+
+
+def _mix_spec(spec: str) -> tuple[str, int]:
+    folder, _, n = spec[4:].rpartition(":")
+    if not folder or not n.isdigit() or int(n) < 1:
+        raise DominoError(f"--prompts {spec!r}: expected mix:DIR:N (a folder of imported prompts, a count >= 1)")
+    return folder, int(n)
 
 
 SELF_PROMPTS_PREFIX = ".self-prompts-"  # OUT/.self-prompts-N-seedS.json: a run's self-written questions
@@ -122,7 +162,11 @@ def _builtin_count(spec: str, limit: int | None) -> int:
 def check_prompt_specs(specs: list[str]) -> None:
     """Every --prompts value well-formed (builtin:N / self:N counts, files that exist), before anything loads."""
     for spec in specs:
-        if spec.startswith(("builtin:", "self:")):
+        if spec.startswith("mix:"):
+            folder, _ = _mix_spec(spec)
+            if not Path(folder).is_dir():
+                raise DominoError(f"--prompts {spec}: {folder} is not a folder of imported prompts")
+        elif spec.startswith(("builtin:", "self:")):
             _count(spec)
         elif spec.startswith("pydoc:"):
             _pydoc_spec(spec)

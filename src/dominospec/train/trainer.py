@@ -51,6 +51,7 @@ from .blocks import (
     teacher_forced_packed,
 )
 from .distributed import Dist
+from .objectives import POSITION_WEIGHTS, acceptance_loss, dpace_factors, entropy_selection
 from .plots import plot_metrics
 from .validate import BestSoFar, Validator
 
@@ -84,6 +85,9 @@ class TrainConfig:
     gamma: float | None = None  # position-decay; default 7 for block 16, scaled with the block
     lambda_start: float = 1.0  # domino curriculum: weight of CE(base) at the start ...
     lambda_decay: float = 1.0  # ... decaying to 0 over this fraction of the run
+    position_weighting: str = "decay"  # "decay": exp(-k/gamma); "dpace": 0.5 + 0.5 * survival (objectives.py)
+    accept_loss: float = 0.0  # weight of the LK-style -log(expected acceptance) loss (objectives.py)
+    entropy_keep: float = 1.0  # train on this fraction of slots, those of highest target entropy
     max_seq_len: int = 2048
     seed: int = 0
     save_every: int = 50
@@ -97,7 +101,14 @@ class TrainConfig:
     # how often to checkpoint or log does not change the trained drafter; every other field does
     CHANGEABLE_ON_RESUME = ("save_every", "log_every")
     # what a checkpoint written before a field existed ran with
-    BEFORE_FIELD = {"packed": False, "bf16": False, "val_walk": False}
+    BEFORE_FIELD = {
+        "packed": False,
+        "bf16": False,
+        "val_walk": False,
+        "position_weighting": "decay",
+        "accept_loss": 0.0,
+        "entropy_keep": 1.0,
+    }
 
     def __post_init__(self):
         """Every number checked once, the message naming its flag: a bad one fails before any work."""
@@ -124,12 +135,18 @@ class TrainConfig:
             ("val_every", isinstance(self.val_every, int) and self.val_every >= 1, "an integer >= 1"),
             ("val_anchors", isinstance(self.val_anchors, int) and self.val_anchors >= 0, "an integer >= 0 (0: all)"),
             ("bf16", not self.bf16 or self.packed, "off with the per-sequence step (--no-packed)"),
+            ("position_weighting", self.position_weighting in POSITION_WEIGHTS, f"one of {POSITION_WEIGHTS}"),
+            ("accept_loss", finite(self.accept_loss) and 0 <= self.accept_loss <= 1, "in [0, 1]"),
+            ("entropy_keep", finite(self.entropy_keep) and 0 < self.entropy_keep <= 1, "a fraction in (0, 1]"),
         ]
         for name, ok, want in rules:
             if not ok:
                 raise DominoError(f"{flag(name)} must be {want}, got {getattr(self, name)!r}")
 
     def position_weights(self, block: int) -> torch.Tensor:
+        """The fixed weight of each slot; D-PACE's are 1 here, times its per-block factors in the loss."""
+        if self.position_weighting == "dpace":
+            return torch.ones(block)
         # published: gamma 7 at block 16; scaled with the block when not given
         return position_weights(block, self.gamma if self.gamma is not None else 7.0 * block / 16)
 
@@ -254,7 +271,8 @@ class Trainer:
     # ----- target features -----
     @property
     def needs_target_probs(self) -> bool:
-        return self.head.needs_target_probs or self.cfg.distill > 0
+        cfg = self.cfg
+        return self.head.needs_target_probs or cfg.distill > 0 or cfg.accept_loss > 0 or cfg.entropy_keep < 1
 
     def features(self, idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         need_final = self.needs_target_probs
@@ -347,8 +365,12 @@ class Trainer:
 
     def _loss(self, tf, p_t, lam: float, w: torch.Tensor, labels: torch.Tensor):
         """The head's loss (+ distillation, + confidence) of teacher-forced blocks; (loss, terms)."""
-        d = self.drafter
+        d, cfg = self.drafter, self.cfg
         z, prev_emb, base, final = tf.z, tf.prev_emb, tf.base, tf.final
+        if cfg.position_weighting == "dpace":
+            w = w * dpace_factors(final, labels, IGNORE)
+        if cfg.entropy_keep < 1:
+            w = entropy_selection(p_t, w, cfg.entropy_keep)
 
         def ce(logits):
             per = F.cross_entropy(
@@ -362,6 +384,9 @@ class Trainer:
             kl = (q * (q.clamp_min(1e-12).log() - torch.log_softmax(final.float(), -1))).sum(-1)  # [N, B]
             terms["kl"] = (kl * w).sum()
             loss = (1 - self.cfg.distill) * loss + self.cfg.distill * terms["kl"]
+        if cfg.accept_loss > 0:  # LK-style: the log of the chance the target keeps the draft
+            terms["lk"] = acceptance_loss(final, p_t, w)
+            loss = (1 - cfg.accept_loss) * loss + cfg.accept_loss * terms["lk"]
         if d.confidence is not None:
             # its label: the greedy hit, or the sampled acceptance for heads trained on the target's distribution
             terms["bce"] = d.confidence.loss(
