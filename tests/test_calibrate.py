@@ -1,6 +1,7 @@
 """Calibration: the STS fit on synthetic confidences, its metrics, and `dominospec calibrate` end to end."""
 
 import json
+import socket
 
 import pytest
 import torch
@@ -235,3 +236,12 @@ def test_generate_defaults_to_cost_scheduled_lookup_and_names_it(capsys, char_mo
     assert rc == 2 and "no drafter is shipped" in err
     rc, err = run_cli(capsys, *args, "--no-lookup")
     assert rc == 2 and "--no-lookup leaves nothing to draft with" in err
+    rc, none, _ = run_cli_json(capsys, *args, "--drafter", "none")  # as on serve: plain decoding
+    assert rc == 0 and none["configuration"] == plain["configuration"] and none["text"] == plain["text"]
+    rc, err = run_cli(capsys, *args, "--drafter", "shipped", "--lookup", "--no-lookup")
+    assert rc == 2 and "--lookup and --no-lookup contradict each other" in err
+    with socket.socket() as s:  # a port free now (serve checks it before loading)
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    rc, err = run_cli(capsys, "serve", "--target", char_model, "--drafter", "shipped", "--port", port)
+    assert rc == 2 and "--drafter shipped: no drafter is shipped" in err, err  # not a plain server in silence

@@ -16,6 +16,7 @@ from ..tune.profile import auto_block_size
 from .common import (
     DEFAULT_DRAFTER,
     LOOKUP,
+    NONE,
     SHIPPED,
     add_sampling_args,
     add_target_args,
@@ -49,7 +50,11 @@ def cmd_generate(args) -> int:
     require_at_least(args, 1, "max_new_tokens", *(["block_size"] if args.block_size != "auto" else []))
     check_verify_args(args)
     sampling = sampling_from_args(args)
+    if args.lookup and args.no_lookup:
+        raise DominoError("--lookup and --no-lookup contradict each other: give one")
     choice = args.drafter or DEFAULT_DRAFTER
+    if choice == NONE:  # --drafter none: plain decoding, as on serve
+        args.no_draft = True
     lookup_only = choice == LOOKUP and not args.no_draft
     if lookup_only and args.no_lookup:
         raise DominoError("--no-lookup leaves nothing to draft with: give --drafter shipped or --drafter DIR")
@@ -208,13 +213,14 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--drafter",
         help="lookup (the default: prompt lookup alone, no trained drafter), shipped (the drafter shipped for "
-        "the bundled target) or a drafter directory; a drafter runs with prompt lookup (the hybrid) unless "
-        "--no-lookup",
+        "the bundled target), a drafter directory, or none (plain decoding, as --no-draft); a drafter runs "
+        "with prompt lookup (the hybrid) unless --no-lookup",
     )
     p.add_argument(
         "--lookup",
         action="store_true",
-        help="hybrid (the default with a drafter): copy the continuation from the prompt and the answer so "
+        help="hybrid (the default with a drafter, so this flag only states it): copy the continuation from the "
+        "prompt and the answer so "
         "far when the last --lookup-min-match tokens occurred there, use the drafter otherwise",
     )
     p.add_argument("--no-lookup", action="store_true", help="the drafter alone, without prompt lookup")

@@ -54,6 +54,11 @@ def cmd_serve(args) -> int:
     drafter = None
     if choice not in (LOOKUP, NONE) and args.verify != "plain":
         drafter = resolve_drafter(target, None if choice == SHIPPED else choice)
+        if drafter is None:  # only --drafter shipped resolves to nothing: say so instead of serving plain
+            raise DominoError(
+                f"--drafter shipped: no drafter is shipped for {target.name!r} (train one with `dominospec train` "
+                "and pass --drafter DIR, or use --drafter lookup or --drafter none)"
+            )
     verify = args.verify or (DEFAULT_VERIFY if drafter is not None or lookup else "plain")
     if verify != "plain" and drafter is None and not lookup:
         raise DominoError(
