@@ -130,8 +130,9 @@ def bf16_dot_available(module) -> bool:
         log_once(f"{BF16_DOT_SWITCH}=on, but this CPU has no AVX512-BF16: bf16 weights are widened to fp32 instead")
         return False
     # Measured 2026-12-05 (docs/speed.md): on the bundled SmolLM2 `bench` counted 3-6 of 16 greedy answers
-    # differing from plain decoding with this switch, although each kernel call is row-invariant on the
-    # model's shapes; until the cause is found, the switch is an experiment and says so.
+    # differing from plain decoding with this switch. Each kernel call is row-invariant, but attention is not
+    # (a verify's masked SDPA and a decode step's grouped SDPA differ by ~1e-6), and rounding activations to
+    # bf16 turns that into flipped ties. Until attention is one path, the switch is an experiment and says so.
     log_once(
         f"{BF16_DOT_SWITCH}=on is experimental: on a real model, speculative output has been measured to differ "
         "from plain decoding in this mode (`dominospec bench` counts mismatches); do not rely on exactness"
