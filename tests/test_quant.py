@@ -132,7 +132,7 @@ def test_int8_groups_take_the_better_grid_and_hold_8_and_4_bit_blocks_exactly():
 # ----- the weight format behind the Target -----
 
 
-def llama_fp32(seed: int = 0):
+def llama_fp32(seed: int = 0, **shape):
     """A SmolLM2-like tiny Llama (tied embedding: the LM head is the embedding table) in fp32, its weights
     spread enough that greedy continuations vary and the formats' rounding shows in the logits."""
     torch.manual_seed(seed)
@@ -148,6 +148,8 @@ def llama_fp32(seed: int = 0):
         tie_word_embeddings=True,
         eos_token_id=95,
     )
+    for key, value in shape.items():
+        setattr(cfg, key, value)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -287,6 +289,29 @@ def test_bf16_dot_product_switch_is_its_own_precision_and_stays_exact(kernels, m
     for prompt in PROMPTS[:2]:
         ref = generate_autoregressive(t, prompt, 24, eos_ids=[]).tokens
         assert generate_speculative(t, drafter, prompt, 24, block_size=4, eos_ids=[]).tokens == ref
+
+
+def test_bf16_dot_a_verified_token_has_its_decode_steps_bits(kernels, monkeypatch):
+    """Protects: with bf16 activations (the dot-product format) a token verified among others gets the very
+    logits its own decode step gives: attention runs one query at a time in verify-sized forwards (the
+    masked multi-query SDPA sums in another order, ~1e-6 apart, which bf16 rounding turned into flipped
+    greedy answers on the bundled model: 3-6 of 16)."""
+    if not kernels.has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16")
+    monkeypatch.setenv(BF16_DOT_SWITCH, "on")
+    # SmolLM2's attention shape (head_dim 64, 3 q heads per kv head) and a long context: where the SDPA paths
+    # part (on the tiny shapes above they happen to agree)
+    shape = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    native = Target(llama_fp32(0, **shape), name="tiny-smol", backend="native", weights="bfloat16").native
+    prompt, new = [(7 * i) % 90 + 1 for i in range(150)], [5, 9, 2, 7, 7, 11, 30, 31]
+    together = native.new_cache(1, 256)
+    native(torch.tensor([prompt]), together, logits="none")
+    block, _ = native(torch.tensor([new]), together, logits="all")  # [1, 6, V]
+    alone = native.new_cache(1, 256)
+    native(torch.tensor([prompt]), alone, logits="none")
+    for j, tok in enumerate(new):
+        step, _ = native(torch.tensor([[tok]]), alone, logits="all")
+        assert torch.equal(step[0, 0], block[0, j]), f"token {j} of the block"
 
 
 # ----- the format is part of the target's identity -----

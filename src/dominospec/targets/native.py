@@ -25,6 +25,7 @@ from .kernels import PackedLinear, load_kernels
 from .quant import WEIGHT_ONLY, format_values
 
 NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+ROWWISE_MAX = 16  # the most new tokens per row whose attention runs one query at a time (see forward)
 
 
 def native_support(hf_model) -> str | None:
@@ -356,6 +357,20 @@ class Block(nn.Module):
         keys, vals = kc[:, :, : ctx.T], vc[:, :, : ctx.T]  # [B, Hkv, T, D] views, no copy
         if ctx.grouped:  # S == 1, no mask: fold the q heads of one kv group into the query axis
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, vals, scale=self.scale)
+        elif ctx.rowwise:  # each new token as its own decode step would see it: same SDPA call, same bits
+            p = ctx.start
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[:, j].reshape(B, Hkv, Hq // Hkv, D),
+                        kc[:, :, : p + j + 1],
+                        vc[:, :, : p + j + 1],
+                        scale=self.scale,
+                    ).reshape(B, 1, Hq, D)
+                    for j in range(S)
+                ],
+                dim=1,
+            )  # [B, S, Hq, D]
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, vals, attn_mask=ctx.mask, scale=self.scale, enable_gqa=True
@@ -381,6 +396,7 @@ class _Step:
     T: int
     mask: torch.Tensor | None
     grouped: bool
+    rowwise: bool = False  # a few new tokens, every row at the same start: attention one query at a time
 
 
 class NativeModel(nn.Module):
@@ -476,7 +492,12 @@ class NativeModel(nn.Module):
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
             mask = mask.masked_fill_(~allowed, float("-inf"))[:, None]  # [B or 1, 1, S, T]
         grouped = mask is None and S == 1
-        ctx = _Step(self.rope, cos, sin, p, scatter, T, mask, grouped)
+        # Row-wise attention makes a verified token's attention the same bits as its decode step's (the
+        # masked multi-query SDPA sums in another order: ~1e-6 apart). Only where activations are rounded
+        # to bf16 (the dot-product format), which turns that noise into flipped ties; it costs one SDPA call
+        # per new token and layer, so it is kept to verify-sized forwards.
+        rowwise = self.bf16_dot and 1 < S <= ROWWISE_MAX and scatter is None and all(t == S for t in n)
+        ctx = _Step(self.rope, cos, sin, p, scatter, T, mask, grouped, rowwise)
 
         want, feats = set(feature_layers or []), {}
         x = F.embedding(input_ids, self.embed)  # [B, S, H]
