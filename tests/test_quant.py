@@ -306,7 +306,7 @@ def test_bf16_dot_a_verified_token_has_its_decode_steps_bits(kernels, monkeypatc
     prompt, new = [(7 * i) % 90 + 1 for i in range(150)], [5, 9, 2, 7, 7, 11, 30, 31]
     together = native.new_cache(1, 256)
     native(torch.tensor([prompt]), together, logits="none")
-    block, _ = native(torch.tensor([new]), together, logits="all")  # [1, 6, V]
+    block, _ = native(torch.tensor([new]), together, logits="all")  # [1, 8, V]
     alone = native.new_cache(1, 256)
     native(torch.tensor([prompt]), alone, logits="none")
     for j, tok in enumerate(new):

@@ -217,6 +217,17 @@ def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):
     return None
 
 
+def chosen_drafter(target, choice: str):
+    """The trained drafter that --drafter shipped / DIR names; shipped with none shipped for target is refused."""
+    drafter = resolve_drafter(target, None if choice == SHIPPED else choice)
+    if drafter is None:
+        raise DominoError(
+            f"--drafter shipped: no drafter is shipped for {target.name!r} (train one with `dominospec train` "
+            "and pass --drafter DIR, or use --drafter lookup or --drafter none)"
+        )
+    return drafter
+
+
 LOOKUP = "lookup"  # --drafter lookup: prompt lookup alone, no trained drafter
 SHIPPED = "shipped"  # --drafter shipped: the drafter shipped for the bundled target
 NONE = "none"  # --drafter none: plain decoding

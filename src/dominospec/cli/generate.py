@@ -17,14 +17,13 @@ from .common import (
     DEFAULT_DRAFTER,
     LOOKUP,
     NONE,
-    SHIPPED,
     add_sampling_args,
     add_target_args,
     add_verify_args,
     block_size_arg,
     check_verify_args,
+    chosen_drafter,
     require_at_least,
-    resolve_drafter,
     sampling_from_args,
     target_from_args,
     warn_if_reduced_precision,
@@ -53,18 +52,12 @@ def cmd_generate(args) -> int:
     if args.lookup and args.no_lookup:
         raise DominoError("--lookup and --no-lookup contradict each other: give one")
     choice = args.drafter or DEFAULT_DRAFTER
-    if choice == NONE:  # --drafter none: plain decoding, as on serve
-        args.no_draft = True
-    lookup_only = choice == LOOKUP and not args.no_draft
+    no_draft = args.no_draft or choice == NONE  # --drafter none: plain decoding, as on serve
+    lookup_only = choice == LOOKUP and not no_draft
     if lookup_only and args.no_lookup:
         raise DominoError("--no-lookup leaves nothing to draft with: give --drafter shipped or --drafter DIR")
     target = target_from_args(args)
-    drafter = None if lookup_only else resolve_drafter(target, None if choice == SHIPPED else choice, args.no_draft)
-    if drafter is None and not args.no_draft and not lookup_only:
-        raise DominoError(
-            f"--drafter shipped: no drafter is shipped for {target.name!r} (train one with `dominospec train` "
-            "and pass --drafter DIR, or use the default, --drafter lookup)"
-        )
+    drafter = None if lookup_only or no_draft else chosen_drafter(target, choice)
     warn_if_reduced_precision(target)
     trained = drafter.config.extra.get("enable_thinking") if drafter is not None else None
     if trained is not None and trained != args.enable_thinking:
@@ -220,8 +213,8 @@ def add_parser(sub) -> None:
         "--lookup",
         action="store_true",
         help="hybrid (the default with a drafter, so this flag only states it): copy the continuation from the "
-        "prompt and the answer so "
-        "far when the last --lookup-min-match tokens occurred there, use the drafter otherwise",
+        "prompt and the answer so far when the last --lookup-min-match tokens occurred there, use the drafter "
+        "otherwise",
     )
     p.add_argument("--no-lookup", action="store_true", help="the drafter alone, without prompt lookup")
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")

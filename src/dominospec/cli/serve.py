@@ -18,10 +18,9 @@ from .common import (
     DEFAULT_DRAFTER,
     LOOKUP,
     NONE,
-    SHIPPED,
     add_target_args,
+    chosen_drafter,
     require_at_least,
-    resolve_drafter,
     target_from_args,
     warn_if_reduced_precision,
 )
@@ -53,12 +52,7 @@ def cmd_serve(args) -> int:
     lookup = choice == LOOKUP
     drafter = None
     if choice not in (LOOKUP, NONE) and args.verify != "plain":
-        drafter = resolve_drafter(target, None if choice == SHIPPED else choice)
-        if drafter is None:  # only --drafter shipped resolves to nothing: say so instead of serving plain
-            raise DominoError(
-                f"--drafter shipped: no drafter is shipped for {target.name!r} (train one with `dominospec train` "
-                "and pass --drafter DIR, or use --drafter lookup or --drafter none)"
-            )
+        drafter = chosen_drafter(target, choice)  # refuses a missing shipped drafter instead of serving plain
     verify = args.verify or (DEFAULT_VERIFY if drafter is not None or lookup else "plain")
     if verify != "plain" and drafter is None and not lookup:
         raise DominoError(

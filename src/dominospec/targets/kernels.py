@@ -129,10 +129,8 @@ def bf16_dot_available(module) -> bool:
     if not module.has_bf16_dot():
         log_once(f"{BF16_DOT_SWITCH}=on, but this CPU has no AVX512-BF16: bf16 weights are widened to fp32 instead")
         return False
-    # Measured 2026-12-05 (docs/speed.md): bf16 activations turn attention's ~1e-6 difference between a verify's
-    # masked SDPA and a decode step's grouped SDPA into flipped ties (3-6 of 16 answers on SmolLM2). The native
-    # forward now runs verify-sized attention one query at a time in this format (0 mismatches at batch 1), but
-    # the engine's ragged batches still take the masked path: there, exactness is not guaranteed.
+    # bf16 activations turn attention's ~1e-6 difference between a verify and a decode step into flipped ties;
+    # native.py's row-wise attention removes it where rows start together, not in the engine's ragged batches.
     log_once(
         f"{BF16_DOT_SWITCH}=on is experimental: batch-1 speculative output equals plain decoding, but in the "
         "engine's ragged batches it may differ (`dominospec bench --concurrency` counts such answers)"

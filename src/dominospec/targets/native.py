@@ -358,13 +358,12 @@ class Block(nn.Module):
         if ctx.grouped:  # S == 1, no mask: fold the q heads of one kv group into the query axis
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, vals, scale=self.scale)
         elif ctx.rowwise:  # each new token as its own decode step would see it: same SDPA call, same bits
-            p = ctx.start
             out = torch.cat(
                 [
                     F.scaled_dot_product_attention(
                         q[:, j].reshape(B, Hkv, Hq // Hkv, D),
-                        kc[:, :, : p + j + 1],
-                        vc[:, :, : p + j + 1],
+                        kc[:, :, : ctx.start + j + 1],
+                        vc[:, :, : ctx.start + j + 1],
                         scale=self.scale,
                     ).reshape(B, 1, Hq, D)
                     for j in range(S)
