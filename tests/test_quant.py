@@ -291,18 +291,26 @@ def test_bf16_dot_product_switch_is_its_own_precision_and_stays_exact(kernels, m
         assert generate_speculative(t, drafter, prompt, 24, block_size=4, eos_ids=[]).tokens == ref
 
 
-def test_bf16_dot_a_verified_token_has_its_decode_steps_bits(kernels, monkeypatch):
-    """Protects: with bf16 activations (the dot-product format) a token verified among others gets the very
-    logits its own decode step gives: attention runs one query at a time in verify-sized forwards (the
-    masked multi-query SDPA sums in another order, ~1e-6 apart, which bf16 rounding turned into flipped
-    greedy answers on the bundled model: 3-6 of 16)."""
-    if not kernels.has_bf16_dot():
+SMOL_ATTENTION = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+
+
+def weights_of(fmt: str) -> str | None:
+    return {"float32": None, "bfloat16-dot": "bfloat16"}.get(fmt, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "bfloat16-dot"])
+def test_a_verified_token_has_its_decode_steps_bits(fmt, kernels, monkeypatch):
+    """Protects: in every weight format a token verified among others gets the very logits its own decode step
+    gives: decode- and verify-sized forwards run attention one query at a time in the kernel (SDPA's masked
+    multi-query and one-query paths sum in different orders, ~1e-6 apart, which bf16-rounded activations
+    turned into flipped greedy answers on the bundled model: 3-6 of 16). Greedy speculative = plain holds by
+    construction, not only by measurement."""
+    if fmt == "bfloat16-dot" and not kernels.has_bf16_dot():
         pytest.skip("this CPU has no AVX512-BF16")
-    monkeypatch.setenv(BF16_DOT_SWITCH, "on")
+    monkeypatch.setenv(BF16_DOT_SWITCH, "on" if fmt == "bfloat16-dot" else "off")
     # SmolLM2's attention shape (head_dim 64, 3 q heads per kv head) and a long context: where the SDPA paths
     # part (on the tiny shapes above they happen to agree)
-    shape = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
-    native = Target(llama_fp32(0, **shape), name="tiny-smol", backend="native", weights="bfloat16").native
+    native = Target(llama_fp32(0, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights_of(fmt)).native
     prompt, new = [(7 * i) % 90 + 1 for i in range(150)], [5, 9, 2, 7, 7, 11, 30, 31]
     together = native.new_cache(1, 256)
     native(torch.tensor([prompt]), together, logits="none")
@@ -312,6 +320,46 @@ def test_bf16_dot_a_verified_token_has_its_decode_steps_bits(kernels, monkeypatc
     for j, tok in enumerate(new):
         step, _ = native(torch.tensor([[tok]]), alone, logits="all")
         assert torch.equal(step[0, 0], block[0, j]), f"token {j} of the block"
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_a_row_of_a_ragged_batch_has_its_own_bits(fmt, kernels, monkeypatch):
+    """Protects: the engine's ragged batches (rows at different lengths, each with its own number of new tokens)
+    give every row the bits it gets alone: a request's tokens do not depend on the requests it is batched with."""
+    monkeypatch.setenv(BF16_DOT_SWITCH, "off")
+    native = Target(llama_fp32(1, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights_of(fmt)).native
+    prompts = [[(5 * i + r) % 90 + 1 for i in range(40 + 37 * r)] for r in range(3)]  # 40, 77, 114 tokens
+    new = [[3, 8, 1, 4, 4, 9], [12, 13], [40, 41, 42, 43]]
+    batch = native.new_cache(3, 256)
+    for r, prompt in enumerate(prompts):  # prefill each row alone, as the engine does
+        native(torch.tensor([prompt]), batch.row(r), logits="none")
+        batch.set_length(r, len(prompt))
+    padded = torch.tensor([toks + [0] * (6 - len(toks)) for toks in new])  # [3, 6]
+    together, _ = native(padded, batch, num_new=[len(t) for t in new], logits="all")  # [3, 6, V]
+    for r, prompt in enumerate(prompts):
+        alone = native.new_cache(1, 256)
+        native(torch.tensor([prompt]), alone, logits="none")
+        own, _ = native(torch.tensor([new[r]]), alone, logits="all")  # [1, n, V]
+        assert torch.equal(own[0], together[r, : len(new[r])]), f"row {r}"
+
+
+def test_the_attention_kernel_is_attention(kernels):
+    """Protects: the per-query kernel computes causal grouped-query attention over each row's cache prefix
+    (SDPA as the reference, to fp32 tolerance), rows at different starts."""
+    torch.manual_seed(0)
+    B, S, Hq, Hkv, D, L = 3, 5, 6, 2, 64, 40
+    q = torch.randn(B, S, Hq, D)
+    k, v = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)
+    starts = torch.tensor([0, 7, 30])
+    out = kernels.attend(q, k, v, starts, 0.125)  # [B, S, Hq, D]
+    for b in range(B):
+        for j in range(S):
+            T = int(starts[b]) + j + 1
+            keys, vals = (c[b, :, :T].repeat_interleave(Hq // Hkv, 0) for c in (k, v))  # [Hq, T, D]
+            ref = F.scaled_dot_product_attention(q[b, j][:, None], keys, vals, scale=0.125)  # [Hq, 1, D]
+            torch.testing.assert_close(out[b, j], ref[:, 0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="reads past the cache"):
+        kernels.attend(q, k, v, torch.tensor([0, 7, 36]), 0.125)
 
 
 # ----- the format is part of the target's identity -----

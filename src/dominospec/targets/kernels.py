@@ -129,11 +129,11 @@ def bf16_dot_available(module) -> bool:
     if not module.has_bf16_dot():
         log_once(f"{BF16_DOT_SWITCH}=on, but this CPU has no AVX512-BF16: bf16 weights are widened to fp32 instead")
         return False
-    # bf16 activations turn attention's ~1e-6 difference between a verify and a decode step into flipped ties;
-    # native.py's row-wise attention removes it where rows start together, not in the engine's ragged batches.
+    # Decode and verify run attention one query at a time (native.py), so rounding the activations keeps
+    # speculative output identical to this format's own plain decoding, in the engine too.
     log_once(
-        f"{BF16_DOT_SWITCH}=on is experimental: batch-1 speculative output equals plain decoding, but in the "
-        "engine's ragged batches it may differ (`dominospec bench --concurrency` counts such answers)"
+        f"{BF16_DOT_SWITCH}=on: activations are rounded to bf16 too, a model of its own (precision "
+        "bfloat16-weights-dot): its answers differ from --dtype bfloat16's, and speculative decoding reproduces its own"
     )
     return True
 

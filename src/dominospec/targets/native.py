@@ -25,7 +25,7 @@ from .kernels import PackedLinear, load_kernels
 from .quant import WEIGHT_ONLY, format_values
 
 NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
-ROWWISE_MAX = 16  # the most new tokens per row whose attention runs one query at a time (see forward)
+PER_QUERY_MAX = 16  # forwards of at most this many new tokens per row: attention one query at a time (forward)
 
 
 def native_support(hf_model) -> str | None:
@@ -355,21 +355,10 @@ class Block(nn.Module):
             kc[rows, :, pos] = k  # the indexed axes come first: [B, S, Hkv, D], as k is
             vc[rows, :, pos] = v
         keys, vals = kc[:, :, : ctx.T], vc[:, :, : ctx.T]  # [B, Hkv, T, D] views, no copy
-        if ctx.grouped:  # S == 1, no mask: fold the q heads of one kv group into the query axis
+        if ctx.per_query:  # every query alone, in one fixed order: the same bits whatever shares the call
+            out = self.down.kernel.module.attend(q, kc, vc, ctx.starts, self.scale)  # [B, S, Hq, D]
+        elif ctx.grouped:  # S == 1, no mask: fold the q heads of one kv group into the query axis
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), keys, vals, scale=self.scale)
-        elif ctx.rowwise:  # each new token as its own decode step would see it: same SDPA call, same bits
-            out = torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        q[:, j].reshape(B, Hkv, Hq // Hkv, D),
-                        kc[:, :, : ctx.start + j + 1],
-                        vc[:, :, : ctx.start + j + 1],
-                        scale=self.scale,
-                    ).reshape(B, 1, Hq, D)
-                    for j in range(S)
-                ],
-                dim=1,
-            )  # [B, S, Hq, D]
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, vals, attn_mask=ctx.mask, scale=self.scale, enable_gqa=True
@@ -395,7 +384,8 @@ class _Step:
     T: int
     mask: torch.Tensor | None
     grouped: bool
-    rowwise: bool = False  # a few new tokens, every row at the same start: attention one query at a time
+    starts: torch.Tensor | None = None  # [B] int64, where each row's first new token sits (per_query only)
+    per_query: bool = False  # attention by the kernel, one query at a time (decode and verify sizes)
 
 
 class NativeModel(nn.Module):
@@ -482,8 +472,14 @@ class NativeModel(nn.Module):
             pos = torch.tensor(starts, device=self.device)[:, None] + torch.arange(S, device=self.device)
             cos, sin = cos[pos][:, :, None], sin[pos][:, :, None]  # [B, S, 1, D]
             scatter = (torch.arange(B, device=self.device)[:, None], pos)
+        # Decode- and verify-sized forwards (engine batches included) run attention in the kernel, each query on
+        # its own, so a token's logits are the same bits decoded alone, verified among others or batched with
+        # other requests (SDPA's masked multi-query and one-query paths sum in different orders, ~1e-6 apart;
+        # activations rounded to bf16 turned that into flipped greedy answers). Prefill keeps SDPA's GEMMs.
+        per_query = S <= PER_QUERY_MAX and self.blocks[0].down.kernel is not None
+        starts_t = torch.tensor(starts, dtype=torch.long) if per_query else None
         mask = None
-        if S > 1 or any(p + t != T for p, t in zip(starts, n)):
+        if not per_query and (S > 1 or any(p + t != T for p, t in zip(starts, n))):
             # Causal with per-row offset; padding queries see their prefix too (no all-False rows).
             qpos = pos if pos is not None else (starts[0] + torch.arange(S, device=self.device))[None]
             allowed = torch.arange(T, device=self.device) <= qpos[..., None]  # [B or 1, S, T]
@@ -491,12 +487,7 @@ class NativeModel(nn.Module):
             mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
             mask = mask.masked_fill_(~allowed, float("-inf"))[:, None]  # [B or 1, 1, S, T]
         grouped = mask is None and S == 1
-        # Row-wise attention makes a verified token's attention the same bits as its decode step's (the
-        # masked multi-query SDPA sums in another order: ~1e-6 apart). Only where activations are rounded
-        # to bf16 (the dot-product format), which turns that noise into flipped ties; it costs one SDPA call
-        # per new token and layer, so it is kept to verify-sized forwards.
-        rowwise = self.bf16_dot and 1 < S <= ROWWISE_MAX and scatter is None and all(t == S for t in n)
-        ctx = _Step(self.rope, cos, sin, p, scatter, T, mask, grouped, rowwise)
+        ctx = _Step(self.rope, cos, sin, p, scatter, T, mask, grouped, starts_t, per_query)
 
         want, feats = set(feature_layers or []), {}
         x = F.embedding(input_ids, self.embed)  # [B, S, H]

@@ -33,9 +33,11 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -435,7 +437,116 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
   return out;
 }
 
+// Attention over the KV cache for a few new tokens per row (decode and verify), each query on its own.
+//
+// Query j of row b sits at position starts[b] + j and reads keys 0..starts[b] + j. Its scores are dot
+// products over D (VW lanes, then the lanes summed in one fixed order), its softmax takes the max, the
+// exponentials and their sum in key order, and its output sums the values in key order. Nothing in that
+// arithmetic depends on the other queries of the call, the other rows, their number or the thread that
+// runs it: a token verified among k others, decoded alone, or run in a ragged batch of the engine gets
+// the same bits. (SDPA's masked multi-query and one-query paths sum in different orders.)
+
+inline float hsum(vf v) {
+  // lanes summed pairwise in a fixed tree
+  float lane[VW];
+  std::memcpy(lane, &v, sizeof(lane));
+  for (int w = VW / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) lane[i] += lane[i + w];
+  return lane[0];
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  vf acc = {};
+  int64_t d = 0;
+  for (; d + VW <= D; d += VW) {
+    vf x, y;
+    std::memcpy(&x, a + d, sizeof(vf));
+    std::memcpy(&y, b + d, sizeof(vf));
+    acc += x * y;
+  }
+  float s = hsum(acc);
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline float exp_nonpositive(float x) {
+  // e^x for x <= 0 (a score minus its row's max): Cody-Waite reduction by ln 2 and a degree-6
+  // polynomial (Cephes' expf coefficients), ~1 ulp; plain arithmetic, so the loop vectorises
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& starts, double scale) {
+  // q [B, S, Hq, D] float32 (D contiguous); k, v [B, Hkv, L, D] contiguous caches; starts [B] int64.
+  // Returns [B, S, Hq, D]. The Hq / Hkv query heads of one kv head are done together (one read of each key).
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1, "q must be [B, S, Hq, D] float32");
+  TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
+                  k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "k and v must be contiguous [B, Hkv, L, D] float32 caches of one shape");
+  const int64_t B = q.size(0), S = q.size(1), Hq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && Hq % Hkv == 0, "attend: q and the caches do not match");
+  auto st = starts.to(at::kLong).contiguous();
+  TORCH_CHECK(st.dim() == 1 && st.size(0) == B, "starts must be [B]");
+  const int64_t* sp = st.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] + S <= L, "attend: row ", b, " reads past the cache (start ", sp[b], ", ", S,
+                " new, ", L, " cached)");
+  const int64_t G = Hq / Hkv;
+  auto out = torch::empty({B, S, Hq, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t sb = q.stride(0), ss = q.stride(1), sh = q.stride(2);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * Hkv * S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p, acc(D);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / (Hkv * S), g = (u / S) % Hkv, j = u % S;
+      const int64_t T = sp[b] + j + 1;
+      const float* keys = kp + (b * Hkv + g) * L * D;
+      const float* vals = vp + (b * Hkv + g) * L * D;
+      p.resize(G * T);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < G; ++h) p[h * T + t] = dot(qp + b * sb + j * ss + (g * G + h) * sh, keys + t * D, D) * sc;
+      for (int64_t h = 0; h < G; ++h) {
+        float* ph = p.data() + h * T;
+        float m = ph[0];
+        for (int64_t t = 1; t < T; ++t) m = std::max(m, ph[t]);
+        for (int64_t t = 0; t < T; ++t) ph[t] = exp_nonpositive(ph[t] - m);
+        float total = 0.0f;
+        for (int64_t t = 0; t < T; ++t) total += ph[t];
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t t = 0; t < T; ++t) {
+          const float w = ph[t];
+          const float* vt = vals + t * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * vt[d];
+        }
+        float* o = op + ((b * S + j) * Hq + g * G + h) * D;
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend);
   m.def("linear_silu_mul", &linear_silu_mul);
   m.def("rope", &rope);
   m.def("panel_width", &panel_width);
