@@ -23,7 +23,13 @@ from dominospec.decode import PromptLookup
 from dominospec.engine import Engine, EngineRequest
 from dominospec.targets.features import FeatureCache
 from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kernels
-from dominospec.targets.quant import dequantize_int8, format_values, quantize_int8
+from dominospec.targets.quant import (
+    apply_weight_format_,
+    dequantize_int8,
+    format_values,
+    quantize_int8,
+    weight_only_format,
+)
 from dominospec.tune.profile import device_fingerprint
 
 FORMATS = ["bfloat16", "int8"]
@@ -382,6 +388,36 @@ def test_the_format_keys_profiles_feature_caches_and_data_records(tmp_path, kern
         "bfloat16-weights",
         "int8-weights",
     }
+
+
+def model_holding(fmt: str | None, seed: int = 0):
+    """A tiny fp32 Llama whose linear weights already are `fmt`'s values (a dequantised checkpoint), or random."""
+    model = llama_fp32(seed)
+    if fmt is not None:
+        with torch.no_grad():
+            apply_weight_format_(model, fmt)
+    return model
+
+
+@pytest.mark.parametrize("held", [None, "int8", "bfloat16"])
+def test_dtype_auto_runs_the_fewest_bytes_format_that_holds_the_weights(held, tmp_path, kernels):
+    """Protects: --dtype auto on the CPU picks int8 for weights on int8's grid (the bundled model, a dequantised
+    4-bit GGUF), bfloat16 for bf16 values, fp32 otherwise; a format that holds the weights is the same model, so
+    its data, feature caches and drafters are the fp32 target's (precision "float32"), while its device profile
+    is its own (run_precision); explicit --dtype int8 on such weights is the same model too."""
+    assert weight_only_format("auto", "cpu", "auto") == "auto" and weight_only_format("auto", "cpu", "hf") is None
+    auto = Target(model_holding(held), name="tiny-smol", backend="native", weights="auto")
+    fp32 = Target(model_holding(held), name="tiny-smol", backend="native")
+    assert auto.weight_only == held and auto.exact_weights == (held is not None)
+    assert auto.precision == "float32" and target_record(auto) == target_record(fp32)
+    assert FeatureCache(tmp_path, auto).path([0, 1], [1, 2, 3]) == FeatureCache(tmp_path, fp32).path([0, 1], [1, 2, 3])
+    assert device_fingerprint(auto)["dtype"] == (f"{held}-weights" if held else "float32")
+    ids = torch.tensor([PROMPTS[2]])
+    logits = [t.forward(ids, t.new_cache(), with_features=False).logits for t in (auto, fp32)]
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4  # the same model (sums in another order)
+    if held == "int8":
+        explicit = Target(model_holding(held), name="tiny-smol", backend="native", weights="int8")
+        assert explicit.exact_weights and explicit.precision == "float32" and explicit.run_precision == "int8-weights"
 
 
 def test_data_made_with_another_weight_format_is_refused_by_name(char_model, tmp_path, capsys, kernels):

@@ -46,7 +46,7 @@ def cmd_profile(args) -> int:
         )
     drafter = resolve_drafter(target, args.drafter, args.no_draft)
     log(
-        f"profiling {target.name} ({target.backend}, {target.precision}): verify of "
+        f"profiling {target.name} ({target.backend}, {target.run_precision}): verify of "
         f"1..{args.max_k} tokens at contexts {contexts}"
         + (", and the drafter's cost per block size" if drafter else "")
     )

@@ -28,7 +28,15 @@ from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
 from .load import load_model
 from .native import KVCache, NativeModel, native_support
-from .quant import INT8, WEIGHT_ONLY, apply_weight_format_, precision_label, weight_only_format
+from .quant import (
+    AUTO,
+    INT8,
+    WEIGHT_ONLY,
+    adopt_exact_format_,
+    apply_weight_format_,
+    precision_label,
+    weight_only_format,
+)
 
 BACKENDS = ("auto", "native", "hf")
 
@@ -52,7 +60,8 @@ class Target:
         weights: str | None = None,
     ):
         """weights: None (the model as it is), or a weight-only format, bfloat16 or int8 (quant.py): its
-        linear weights are rounded to that format in place and the native kernel streams them so."""
+        linear weights are rounded to that format in place and the native kernel streams them so; "auto":
+        the fewest-bytes format that holds them to fp32 rounding (quant.adopt_exact_format_), else none."""
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -72,6 +81,7 @@ class Target:
             raise DominoError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.native: NativeModel | None = None
         self.backend_note: str | None = None  # why a requested native backend is not used
+        self.exact_weights = False  # the weight format held the loaded weights (quant.holds): the same model
         why = native_support(model) if backend in ("auto", "native") else "--backend hf"
         self.weight_only = self._apply_weights(weights, why)  # bfloat16 / int8 with fp32 activations, or None
         if why is None:
@@ -83,6 +93,13 @@ class Target:
         """Round the weights to a weight-only format in place and return it; None: the model computes in its dtype.
 
         Without the native backend, int8 is refused and bfloat16 means the whole model in bf16."""
+        if weights == AUTO:
+            if why_not_native is not None or self.dtype != torch.float32 or self.device.type != "cpu":
+                return None
+            _ = self.fingerprint  # the identity of the weights as loaded
+            weights = adopt_exact_format_(self.model)
+            self.exact_weights = weights is not None
+            return weights
         if weights in (None, str(self.dtype).replace("torch.", "")):
             return None
         if weights not in WEIGHT_ONLY:
@@ -98,7 +115,7 @@ class Target:
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise DominoError(f"{weights} weights need an fp32 model on the CPU, got {self.dtype} on {self.device}")
         _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rounded
-        apply_weight_format_(self.model, weights)
+        self.exact_weights = apply_weight_format_(self.model, weights)
         return weights
 
     @property
@@ -108,9 +125,18 @@ class Target:
 
     @property
     def precision(self) -> str:
-        """How this target computes, as identities record it (device profile, data, feature caches):
-        "float32", "bfloat16", ... for a plain model; "bfloat16-weights", "int8-weights" for fp32
-        activations on weights of that format ("-dot": bf16 on the CPU's bf16 dot product)."""
+        """How this target computes, as identities record it (data, feature caches, acceptance): "float32",
+        "bfloat16", ... for a plain model; "bfloat16-weights", "int8-weights" for fp32 activations on weights
+        rounded to that format ("-dot": bf16 on the CPU's bf16 dot product, which rounds activations too).
+        A format that held the loaded weights (to fp32 rounding, quant.holds) is the same model: its precision is
+        the plain dtype's."""
+        if self.exact_weights and not (self.native is not None and self.native.bf16_dot):
+            return str(self.dtype).replace("torch.", "")
+        return self.run_precision
+
+    @property
+    def run_precision(self) -> str:
+        """What the forward streams and computes with, exact or not (what a device profile's speed depends on)."""
         return precision_label(self.dtype, self.weight_only, self.native is not None and self.native.bf16_dot)
 
     @property
@@ -150,8 +176,9 @@ class Target:
         """By alias (default: the bundled model), local directory or hub id; see load.py.
 
         backend: auto (native where supported), native (says so when it is not), hf.
-        dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16, or int8. On the CPU with the
-        native backend, bfloat16 and int8 mean those weights with fp32 activations (quant.py).
+        dtype: auto (bf16 on GPU; on the CPU, fp32 activations on the fewest-bytes weight format that holds
+        the weights exactly: int8, bfloat16, else fp32), float32, bfloat16, float16, or int8. On the CPU
+        with the native backend, bfloat16 and int8 mean those weights with fp32 activations (quant.py).
         """
         weights = weight_only_format(dtype, device, backend)
         model, tokenizer, name = load_model(
@@ -160,6 +187,11 @@ class Target:
         target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend, weights=weights)
         if target.backend_note and progress:
             progress(target.backend_note)
+        if weights == AUTO and target.weight_only and progress:
+            progress(
+                f"--dtype auto: {target.weight_only} weights on the CPU kernel (they hold {name}'s weights exactly: "
+                "the same model on fewer bytes); --dtype float32 runs the fp32 kernel"
+            )
         return target
 
     @property

@@ -32,6 +32,7 @@ from ..errors import DominoError
 
 WEIGHT_ONLY = ("bfloat16", "int8")  # formats with fp32 activations (the kernel widens the weights)
 INT8 = "int8"
+AUTO = "auto"  # --dtype auto on the CPU: the fewest-bytes format that holds the loaded weights (adopt_exact_format_)
 INT8_GROUP = 32  # inputs per int8 scale and offset (llama.cpp's Q8_0 and Q4_1 blocks are 32 wide too)
 
 
@@ -98,11 +99,43 @@ def linear_layers(model: nn.Module) -> list[nn.Linear]:
 
 
 @torch.no_grad()
-def apply_weight_format_(model: nn.Module, weight_format: str) -> None:
+def holds(values: torch.Tensor, w: torch.Tensor) -> bool:
+    """A format's values are w up to fp32 rounding: within 4 ulps of the largest |w| of each group of
+    INT8_GROUP inputs. (The bundled model's int8 values differ from its weights by at most 1 ulp there, the
+    rounding of the GGUF's own dequantisation; a random fp32 model's by ~30,000.)"""
+    err = _per_group((values - w).abs(), INT8_GROUP).amax(dim=2)  # [N, G]
+    top = _per_group(w.abs(), INT8_GROUP).amax(dim=2)
+    return bool((err <= 4 * torch.finfo(torch.float32).eps * top).all())
+
+
+def apply_weight_format_(model: nn.Module, weight_format: str) -> bool:
     """Replace, in place, each covered weight by its format's values (fp32 storage; a tied embedding
-    is the LM head's tensor and follows it)."""
+    is the LM head's tensor and follows it). Returns whether the format held every weight (`holds`)."""
+    exact = True
     for linear in linear_layers(model):
-        linear.weight.copy_(format_values(linear.weight, weight_format))
+        values = format_values(linear.weight, weight_format)
+        exact = exact and holds(values, linear.weight)
+        linear.weight.copy_(values)
+    return exact
+
+
+def adopt_exact_format_(model: nn.Module) -> str | None:
+    """The fewest-bytes weight-only format that holds every covered weight (int8, else bfloat16; `holds`),
+    its values written in place; None (nothing changed) when neither does. A checkpoint dequantised from
+    8- or 4-bit groups of 32 (the bundled SmolLM2) fits int8; a bf16 checkpoint loaded in fp32 fits bfloat16:
+    either is the same model on a quarter / half of fp32's bytes."""
+    linears = linear_layers(model)
+    for fmt in (INT8, "bfloat16"):
+        values = []
+        for linear in linears:  # stops at the first weight the format does not hold
+            values.append(format_values(linear.weight, fmt))
+            if not holds(values[-1], linear.weight):
+                break
+        else:
+            for linear, v in zip(linears, values):
+                linear.weight.copy_(v)
+            return fmt
+    return None
 
 
 def weight_only_format(dtype, device: str | torch.device | None, backend: str) -> str | None:
@@ -115,6 +148,8 @@ def weight_only_format(dtype, device: str | torch.device | None, backend: str) -
     if isinstance(dtype, torch.dtype):
         dtype = next((name for name, d in DTYPES.items() if d == dtype), str(dtype))
     dev = resolve_device(device if isinstance(device, str) or device is None else str(device))
+    if dtype in (None, AUTO):  # the CPU's fp32 model on the fewest bytes that hold it exactly (Target decides)
+        return AUTO if dev.type == "cpu" and backend != "hf" else None
     if dtype == INT8:
         if backend == "hf":
             raise DominoError(

@@ -439,59 +439,70 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 
 // Attention over the KV cache for a few new tokens per row (decode and verify), each query on its own.
 //
-// Query j of row b sits at position starts[b] + j and reads keys 0..starts[b] + j. Its scores are dot
-// products over D (VW lanes, then the lanes summed in one fixed order), its softmax takes the max, the
-// exponentials and their sum in key order, and its output sums the values in key order. Nothing in that
-// arithmetic depends on the other queries of the call, the other rows, their number or the thread that
-// runs it: a token verified among k others, decoded alone, or run in a ragged batch of the engine gets
-// the same bits. (SDPA's masked multi-query and one-query paths sum in different orders.)
+// Query j of row b sits at position starts[b] + j and reads keys 0..starts[b] + j. Its score with key t
+// is the dot product over D summed in order d = 0, 1, ... (one FMA per d, in the key's vector lane: the
+// keys of a block of VW are transposed once and serve every query of the kv head); its softmax takes the
+// max, the exponentials and their sum in key order, and its output sums the values in key order. Nothing
+// in that arithmetic depends on the other queries of the call, the other rows, their number or the thread
+// that runs it: a token verified among k others, decoded alone, or run in a ragged batch of the engine
+// gets the same bits. (SDPA's masked multi-query and one-query paths sum in different orders.)
 
-inline float hsum(vf v) {
-  // lanes summed pairwise in a fixed tree
-  float lane[VW];
-  std::memcpy(lane, &v, sizeof(lane));
-  for (int w = VW / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) lane[i] += lane[i + w];
-  return lane[0];
-}
-
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
-  vf acc = {};
-  int64_t d = 0;
-  for (; d + VW <= D; d += VW) {
-    vf x, y;
-    std::memcpy(&x, a + d, sizeof(vf));
-    std::memcpy(&y, b + d, sizeof(vf));
-    acc += x * y;
-  }
-  float s = hsum(acc);
-  for (; d < D; ++d) s += a[d] * b[d];
-  return s;
-}
-
-inline float exp_nonpositive(float x) {
-  // e^x for x <= 0 (a score minus its row's max): Cody-Waite reduction by ln 2 and a degree-6
-  // polynomial (Cephes' expf coefficients), ~1 ulp; plain arithmetic, so the loop vectorises
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+inline vf exp_nonpositive(vf x) {
+  // e^x for x <= 0 (scores minus their max), VW lanes at once: Cody-Waite reduction by ln 2 and a
+  // degree-6 polynomial (Cephes' expf coefficients), ~1 ulp
+  const vf lo = vf{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vf y = x * 1.44269504088896341f + 0.5f;
+  vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);  // toward zero, then floor:
+  n += __builtin_convertvector(n > y, vf);  // a true lane is -1
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
+}
+
+template <int NDV>
+void weighted_values_v(const float* __restrict w, const float* __restrict vals, int64_t T, float* __restrict acc) {
+  // acc[D = NDV * VW] = sum over t in order of w[t] * vals[t]: the accumulators stay in registers
+  vf a[NDV] = {};
+  for (int64_t t = 0; t < T; ++t) {
+    const float* vt = vals + t * NDV * VW;
+    for (int c = 0; c < NDV; ++c) {
+      vf x;
+      std::memcpy(&x, vt + c * VW, sizeof(vf));
+      a[c] += w[t] * x;
+    }
+  }
+  std::memcpy(acc, a, sizeof(a));
+}
+
+void weighted_values(const float* w, const float* vals, int64_t T, int64_t D, float* acc) {
+  // the same sums lane by lane whichever branch runs: a lane is one d, summed over t in order
+  switch (D == VW * (D / VW) ? D / VW : 0) {
+    case 1: return weighted_values_v<1>(w, vals, T, acc);
+    case 2: return weighted_values_v<2>(w, vals, T, acc);
+    case 4: return weighted_values_v<4>(w, vals, T, acc);
+    case 8: return weighted_values_v<8>(w, vals, T, acc);
+    case 16: return weighted_values_v<16>(w, vals, T, acc);
+    default:
+      std::fill(acc, acc + D, 0.0f);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t d = 0; d < D; ++d) acc[d] += w[t] * vals[t * D + d];
+  }
 }
 
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& starts, double scale) {
   // q [B, S, Hq, D] float32 (D contiguous); k, v [B, Hkv, L, D] contiguous caches; starts [B] int64.
-  // Returns [B, S, Hq, D]. The Hq / Hkv query heads of one kv head are done together (one read of each key).
+  // Returns [B, S, Hq, D]. One work item per (row, kv head): its S x Hq / Hkv queries share each key block.
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1, "q must be [B, S, Hq, D] float32");
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -505,7 +516,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(sp[b] >= 0 && sp[b] + S <= L, "attend: row ", b, " reads past the cache (start ", sp[b], ", ", S,
                 " new, ", L, " cached)");
-  const int64_t G = Hq / Hkv;
+  const int64_t G = Hq / Hkv, Qn = S * G;  // queries per work item, ordered (j, h)
   auto out = torch::empty({B, S, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -513,33 +524,67 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   float* op = out.data_ptr<float>();
   const int64_t sb = q.stride(0), ss = q.stride(1), sh = q.stride(2);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p, acc(D);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(D * VW), p, acc(D);
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / (Hkv * S), g = (u / S) % Hkv, j = u % S;
-      const int64_t T = sp[b] + j + 1;
+      const int64_t b = u / Hkv, g = u % Hkv, start = sp[b], Tall = start + S;
       const float* keys = kp + (b * Hkv + g) * L * D;
       const float* vals = vp + (b * Hkv + g) * L * D;
-      p.resize(G * T);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t h = 0; h < G; ++h) p[h * T + t] = dot(qp + b * sb + j * ss + (g * G + h) * sh, keys + t * D, D) * sc;
-      for (int64_t h = 0; h < G; ++h) {
-        float* ph = p.data() + h * T;
-        float m = ph[0];
-        for (int64_t t = 1; t < T; ++t) m = std::max(m, ph[t]);
-        for (int64_t t = 0; t < T; ++t) ph[t] = exp_nonpositive(ph[t] - m);
-        float total = 0.0f;
-        for (int64_t t = 0; t < T; ++t) total += ph[t];
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t t = 0; t < T; ++t) {
-          const float w = ph[t];
-          const float* vt = vals + t * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * vt[d];
+      const int64_t Tpad = (Tall + VW - 1) / VW * VW;  // rows padded to whole vectors
+      p.assign(Qn * Tpad, 0.0f);  // scores, then weights: query (j, h) at row j * G + h
+      for (int64_t t0 = 0; t0 < Tall; t0 += VW) {
+        const int64_t n = std::min<int64_t>(VW, Tall - t0);
+        for (int64_t d = 0; d < D; ++d)  // the block transposed: kt[d][lane] = key t0 + lane
+          for (int64_t l = 0; l < VW; ++l) kt[d * VW + l] = l < n ? keys[(t0 + l) * D + d] : 0.0f;
+        // the queries that see key t0, four at a time (each key vector loaded once for four FMAs)
+        for (int64_t qi = std::max<int64_t>(0, t0 - start) * G; qi < Qn; qi += 4) {
+          const int64_t cnt = std::min<int64_t>(4, Qn - qi);
+          const float* qv[4];
+          for (int64_t c = 0; c < 4; ++c) {
+            const int64_t idx = qi + std::min(c, cnt - 1), j = idx / G, h = idx % G;
+            qv[c] = qp + b * sb + j * ss + (g * G + h) * sh;
+          }
+          vf s[4] = {};
+          for (int64_t d = 0; d < D; ++d) {
+            vf kd;
+            std::memcpy(&kd, kt.data() + d * VW, sizeof(vf));
+            s[0] += qv[0][d] * kd;
+            s[1] += qv[1][d] * kd;
+            s[2] += qv[2][d] * kd;
+            s[3] += qv[3][d] * kd;
+          }
+          for (int64_t c = 0; c < cnt; ++c) {
+            const vf scaled = s[c] * sc;
+            float lanes[VW];
+            std::memcpy(lanes, &scaled, sizeof(lanes));
+            std::copy(lanes, lanes + n, p.data() + (qi + c) * Tpad + t0);
+          }
         }
-        float* o = op + ((b * S + j) * Hq + g * G + h) * D;
-        const float inv = 1.0f / total;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
       }
+      for (int64_t j = 0; j < S; ++j)
+        for (int64_t h = 0; h < G; ++h) {
+          const int64_t T = start + j + 1;
+          float* ph = p.data() + (j * G + h) * Tpad;
+          float m = ph[0];
+          for (int64_t t = 1; t < T; ++t) m = std::max(m, ph[t]);
+          // weights VW at a time, lanes past T set to 0; the sum kept per lane (lane =
+          // t mod VW) and the lanes added in a fixed order: the same bits for the same T
+          vf total_v = {};
+          for (int64_t t = 0; t < T; t += VW) {
+            vf x;
+            std::memcpy(&x, ph + t, sizeof(vf));
+            vf w = exp_nonpositive(x - m);
+            for (int64_t l = T - t; l < VW; ++l) w[l] = 0.0f;
+            std::memcpy(ph + t, &w, sizeof(vf));
+            total_v += w;
+          }
+          float total = 0.0f;
+          for (int l = 0; l < VW; ++l) total += total_v[l];
+          float* o = op + ((b * S + j) * Hq + g * G + h) * D;
+          weighted_values(ph, vals, T, D, acc.data());
+          const float inv = 1.0f / total;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+        }
     }
   });
   return out;

@@ -92,8 +92,8 @@ def profile_verify_cost(
 
 
 def precision(target) -> str:
-    """The target's dtype, or its weight format where that differs ("int8-weights": Target.precision)."""
-    return getattr(target, "precision", None) or str(target.dtype).replace("torch.", "")
+    """The target's dtype, or the weight format its forward streams ("int8-weights": Target.run_precision)."""
+    return getattr(target, "run_precision", None) or str(target.dtype).replace("torch.", "")
 
 
 def device_fingerprint(target) -> dict:

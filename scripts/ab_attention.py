@@ -1,0 +1,68 @@
+"""Attention in the kernel (one query at a time) against SDPA: the target's forward of k new tokens after a
+cached context, both paths in one process, interleaved.
+
+    taskset -c 0 python scripts/ab_attention.py --dtype float32 --threads 1 --context 256 --ks 1,2,5,9
+
+Prints the median ms per forward (k = 1 is a decode step) for each path, their ratio, and whether the
+logits of the two paths differ (they do, by ~1e-6: the kernel sums in another order than SDPA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dominospec.devices import cpu_model
+from dominospec.targets import Target
+from dominospec.targets import native as native_module
+
+
+def forward_ms(native, cache, context: int, tokens: torch.Tensor) -> tuple[float, torch.Tensor]:
+    t0 = time.perf_counter()
+    logits, _ = native(tokens, cache, logits="all")
+    ms = (time.perf_counter() - t0) * 1e3
+    cache.crop(context)
+    return ms, logits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, int8 or auto")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--ks", default="1,2,5,9", help="new tokens per forward")
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = Target.load(args.target, device="cpu", dtype=args.dtype)
+    native = target.native
+    paths = {"kernel": native_module.PER_QUERY_MAX, "sdpa": 0}
+    gen = torch.Generator().manual_seed(0)
+    cache = native.new_cache(1, args.context + 64)
+    native(torch.randint(0, target.vocab_size, (1, args.context), generator=gen), cache, logits="none")
+    print(f"{cpu_model()}, {args.threads} thread(s), {target.name} {target.run_precision}, context {args.context}")
+    print("| k | kernel ms | SDPA ms | kernel / SDPA | max logit difference |")
+    print("|---:|---:|---:|---:|---:|")
+    try:
+        for k in [int(x) for x in args.ks.split(",")]:
+            tokens = torch.randint(0, target.vocab_size, (1, k), generator=gen)
+            times, logits = {p: [] for p in paths}, {}
+            for r in range(args.repeats + 3):  # 3 uncounted warm-up rounds
+                for path, limit in paths.items():
+                    native_module.PER_QUERY_MAX = limit
+                    ms, logits[path] = forward_ms(native, cache, args.context, tokens)
+                    if r >= 3:
+                        times[path].append(ms)
+            med = {p: statistics.median(v) for p, v in times.items()}
+            diff = (logits["kernel"] - logits["sdpa"]).abs().max().item()
+            print(f"| {k} | {med['kernel']:.2f} | {med['sdpa']:.2f} | {med['kernel'] / med['sdpa']:.3f} | {diff:.1e} |")
+    finally:
+        native_module.PER_QUERY_MAX = paths["kernel"]
+
+
+if __name__ == "__main__":
+    main()
