@@ -46,7 +46,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         help="auto (bf16 on GPU; on the CPU, fp32 activations on the fewest-bytes weight format that holds the "
-        "model's weights exactly: int8 for the bundled model, bfloat16 for a bf16 checkpoint, else fp32), "
+        "model's weights to fp32 rounding: int8 for the bundled model, bfloat16 for a bf16 checkpoint, else fp32), "
         "float32, bfloat16, float16, int8. On the CPU with the native "
         "backend, bfloat16 and int8 are weight formats (half / about a quarter of fp32's bytes; int8 "
         "scaled per output channel and group of 32 inputs) with fp32 activations: speculative output stays "

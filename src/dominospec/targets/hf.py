@@ -96,7 +96,7 @@ class Target:
         if weights == AUTO:
             if why_not_native is not None or self.dtype != torch.float32 or self.device.type != "cpu":
                 return None
-            _ = self.fingerprint  # the identity of the weights as loaded
+            _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rewritten
             weights = adopt_exact_format_(self.model)
             self.exact_weights = weights is not None
             return weights
@@ -177,7 +177,7 @@ class Target:
 
         backend: auto (native where supported), native (says so when it is not), hf.
         dtype: auto (bf16 on GPU; on the CPU, fp32 activations on the fewest-bytes weight format that holds
-        the weights exactly: int8, bfloat16, else fp32), float32, bfloat16, float16, or int8. On the CPU
+        the weights to fp32 rounding: int8, bfloat16, else fp32), float32, bfloat16, float16, or int8. On the CPU
         with the native backend, bfloat16 and int8 mean those weights with fp32 activations (quant.py).
         """
         weights = weight_only_format(dtype, device, backend)
@@ -189,8 +189,8 @@ class Target:
             progress(target.backend_note)
         if weights == AUTO and target.weight_only and progress:
             progress(
-                f"--dtype auto: {target.weight_only} weights on the CPU kernel (they hold {name}'s weights exactly: "
-                "the same model on fewer bytes); --dtype float32 runs the fp32 kernel"
+                f"--dtype auto: {target.weight_only} weights on the CPU kernel (they hold {name}'s weights to fp32 "
+                "rounding: the same model on fewer bytes); --dtype float32 runs the fp32 kernel"
             )
         return target
 

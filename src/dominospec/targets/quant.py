@@ -98,7 +98,6 @@ def linear_layers(model: nn.Module) -> list[nn.Linear]:
     return found + ([head] if isinstance(head, nn.Linear) else [])
 
 
-@torch.no_grad()
 def holds(values: torch.Tensor, w: torch.Tensor) -> bool:
     """A format's values are w up to fp32 rounding: within 4 ulps of the largest |w| of each group of
     INT8_GROUP inputs. (The bundled model's int8 values differ from its weights by at most 1 ulp there, the
@@ -108,6 +107,7 @@ def holds(values: torch.Tensor, w: torch.Tensor) -> bool:
     return bool((err <= 4 * torch.finfo(torch.float32).eps * top).all())
 
 
+@torch.no_grad()
 def apply_weight_format_(model: nn.Module, weight_format: str) -> bool:
     """Replace, in place, each covered weight by its format's values (fp32 storage; a tied embedding
     is the LM head's tensor and follows it). Returns whether the format held every weight (`holds`)."""
@@ -119,6 +119,7 @@ def apply_weight_format_(model: nn.Module, weight_format: str) -> bool:
     return exact
 
 
+@torch.no_grad()
 def adopt_exact_format_(model: nn.Module) -> str | None:
     """The fewest-bytes weight-only format that holds every covered weight (int8, else bfloat16; `holds`),
     its values written in place; None (nothing changed) when neither does. A checkpoint dequantised from
