@@ -1,15 +1,19 @@
-"""Attention in the kernel (one query at a time) against SDPA: the target's forward of k new tokens after a
-cached context, both paths in one process, interleaved.
+"""The target's forward of k new tokens after a cached context on its three paths, in one process, interleaved:
 
-    taskset -c 0 python scripts/ab_attention.py --dtype float32 --threads 1 --context 256 --ks 1,2,5,9
+- fused: every decoder layer in one call of the kernel extension (DecoderLayers), attention one query at a time;
+- loop: the same kernels called layer by layer from Python (DOMINOSPEC_FUSED_LAYERS=off);
+- sdpa: the Python loop with SDPA's attention (what prefill runs).
 
-Prints the median ms per forward (k = 1 is a decode step) for each path, their ratio, and whether the
-logits of the two paths differ (they do, by ~1e-6: the kernel sums in another order than SDPA).
+    taskset -c 0 python scripts/ab_attention.py --dtype auto --threads 1 --context 256 --ks 1,2,5,9
+
+Prints the median ms per forward (k = 1 is a decode step) for each path, the ratios, and how far the logits
+of the paths are apart (~1e-5: other summation orders).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -40,28 +44,32 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = Target.load(args.target, device="cpu", dtype=args.dtype)
     native = target.native
-    paths = {"kernel": native_module.PER_QUERY_MAX, "sdpa": 0}
+    limit = native_module.PER_QUERY_MAX
+    paths = {"fused": (limit, "on"), "loop": (limit, "off"), "sdpa": (0, "off")}  # (PER_QUERY_MAX, switch)
     gen = torch.Generator().manual_seed(0)
     cache = native.new_cache(1, args.context + 64)
     native(torch.randint(0, target.vocab_size, (1, args.context), generator=gen), cache, logits="none")
     print(f"{cpu_model()}, {args.threads} thread(s), {target.name} {target.run_precision}, context {args.context}")
-    print("| k | kernel ms | SDPA ms | kernel / SDPA | max logit difference |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| k | fused ms | loop ms | SDPA ms | fused / loop | fused / SDPA | max logit difference |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     try:
         for k in [int(x) for x in args.ks.split(",")]:
             tokens = torch.randint(0, target.vocab_size, (1, k), generator=gen)
             times, logits = {p: [] for p in paths}, {}
             for r in range(args.repeats + 3):  # 3 uncounted warm-up rounds
-                for path, limit in paths.items():
-                    native_module.PER_QUERY_MAX = limit
+                for path, (per_query, switch) in paths.items():
+                    native_module.PER_QUERY_MAX = per_query
+                    os.environ[native_module.FUSED_SWITCH] = switch
                     ms, logits[path] = forward_ms(native, cache, args.context, tokens)
                     if r >= 3:
                         times[path].append(ms)
             med = {p: statistics.median(v) for p, v in times.items()}
-            diff = (logits["kernel"] - logits["sdpa"]).abs().max().item()
-            print(f"| {k} | {med['kernel']:.2f} | {med['sdpa']:.2f} | {med['kernel'] / med['sdpa']:.3f} | {diff:.1e} |")
+            diff = max((logits["fused"] - logits[p]).abs().max().item() for p in ("loop", "sdpa"))
+            f, lo, sd = med["fused"], med["loop"], med["sdpa"]
+            print(f"| {k} | {f:.2f} | {lo:.2f} | {sd:.2f} | {f / lo:.3f} | {f / sd:.3f} | {diff:.1e} |")
     finally:
-        native_module.PER_QUERY_MAX = paths["kernel"]
+        native_module.PER_QUERY_MAX = limit
+        os.environ.pop(native_module.FUSED_SWITCH, None)
 
 
 if __name__ == "__main__":

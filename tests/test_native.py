@@ -385,3 +385,54 @@ def test_native_sequence_features_equal_the_transformers_pass(layer_ids):
         assert a.shape == b.shape == (len(s), len(layer_ids) * hf.hidden_size)
         torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-9)
         torch.testing.assert_close(d, c, atol=1e-9, rtol=1e-9)
+
+
+def fused_vs_python(native, monkeypatch, fused_switch, prompts, new):
+    """Logits and features of one ragged decode-sized forward, with the layers fused (in one kernel call) and in
+    the Python loop, each from its own prefilled cache."""
+    from dominospec.targets import native as native_module
+
+    out = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv(fused_switch, mode)
+        cache = native.new_cache(len(prompts), 128)
+        for r, prompt in enumerate(prompts):  # prefill (SDPA, the Python loop either way)
+            native(torch.tensor([prompt]), cache.row(r), logits="none")
+            cache.set_length(r, len(prompt))
+        width = max(map(len, new))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in new])
+        if mode == "on":  # the Python loop must not run
+            monkeypatch.setattr(
+                native_module.Block, "forward", lambda *a, **k: pytest.fail("the Python layer loop ran")
+            )
+        out[mode] = native(
+            padded, cache, num_new=[len(t) for t in new], logits="all", feature_layers=[0, native.cfg.num_layers - 1]
+        )
+        if mode == "on":
+            monkeypatch.undo()
+        for r, (prompt, toks) in enumerate(zip(prompts, new)):
+            assert cache.lengths[r] == len(prompt) + len(toks)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_the_fused_layers_compute_the_python_layers(kind, monkeypatch):
+    """Protects: decode- and verify-sized forwards run every decoder layer in one call of the kernel extension
+    (DecoderLayers: norms, fused projections with their biases, q/k norms, RoPE, cache writes, attention,
+    residuals); it computes what the Python loop over the layers computes (to fp32 rounding, same greedy
+    picks) for ragged rows, features included."""
+    from dominospec.targets import kernels
+    from dominospec.targets.native import FUSED_SWITCH
+
+    if kernels.load_kernels() is None:
+        pytest.skip("the small-M kernel does not build here (no compiler)")
+    native = NativeModel.from_hf(tiny(kind))
+    prompts = [[(5 * i + r) % 250 + 1 for i in range(9 + 11 * r)] for r in range(3)]
+    new = [[3, 8, 1, 4], [12], [40, 41, 42]]
+    out = fused_vs_python(native, monkeypatch, FUSED_SWITCH, prompts, new)
+    (fused, f_feats), (loop, l_feats) = out["on"], out["off"]
+    for r, toks in enumerate(new):
+        n = len(toks)
+        torch.testing.assert_close(fused[r, :n], loop[r, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(f_feats[r, :n], l_feats[r, :n], rtol=1e-5, atol=1e-5)
+        assert torch.equal(fused[r, :n].argmax(-1), loop[r, :n].argmax(-1))

@@ -452,3 +452,25 @@ def test_int8_is_refused_where_there_is_no_kernel_path_to_run_it(char_model):
     assert hf_bf16.dtype == torch.bfloat16 and hf_bf16.precision == "bfloat16"  # transformers' own bf16
     native_bf16 = Target(llama_fp32().to(torch.bfloat16), backend="native")  # a bf16 model, as on a GPU
     assert native_bf16.native is not None and native_bf16.precision == "bfloat16"
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "bfloat16-dot"])
+def test_the_fused_layers_compute_the_python_layers_in_every_format(fmt, kernels, monkeypatch):
+    """Protects: the one-call decoder layers (DecoderLayers) read each format's panels and int8 scales as the
+    Python loop does: same logits to fp32 rounding and the same greedy picks, ragged rows."""
+    from test_native import fused_vs_python
+
+    from dominospec.targets.native import FUSED_SWITCH
+
+    if fmt == "bfloat16-dot" and not kernels.has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16")
+    monkeypatch.setenv(BF16_DOT_SWITCH, "on" if fmt == "bfloat16-dot" else "off")
+    native = Target(llama_fp32(2, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights_of(fmt)).native
+    prompts = [[(3 * i + r) % 90 + 1 for i in range(20 + 13 * r)] for r in range(2)]
+    new = [[4, 5, 6], [70, 71, 72, 73, 74]]
+    out = fused_vs_python(native, monkeypatch, FUSED_SWITCH, prompts, new)
+    monkeypatch.setenv(BF16_DOT_SWITCH, "on" if fmt == "bfloat16-dot" else "off")
+    (fused, _), (loop, _) = out["on"], out["off"]
+    for r, toks in enumerate(new):
+        torch.testing.assert_close(fused[r, : len(toks)], loop[r, : len(toks)], rtol=1e-4, atol=1e-4)
+        assert torch.equal(fused[r, : len(toks)].argmax(-1), loop[r, : len(toks)].argmax(-1))

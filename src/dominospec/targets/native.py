@@ -14,6 +14,7 @@ Shapes: B batch, S new tokens per row, T keys attended, H hidden, D head dim, Hq
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,11 @@ from .quant import WEIGHT_ONLY, format_values
 
 NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 PER_QUERY_MAX = 16  # forwards of at most this many new tokens per row: attention one query at a time (forward)
+FUSED_SWITCH = "DOMINOSPEC_FUSED_LAYERS"  # "off": such forwards loop over the layers in Python (for A/B runs)
+
+
+def fused_layers_enabled() -> bool:
+    return os.environ.get(FUSED_SWITCH, "on").strip().lower() not in ("off", "0", "false", "no")
 
 
 def native_support(hf_model) -> str | None:
@@ -404,6 +410,7 @@ class NativeModel(nn.Module):
         head = hf_model.lm_head.weight  # tied models: this is the embedding tensor itself
         self.lm_head = Linear(head, getattr(hf_model.lm_head, "bias", None), weight_format)
         self.rope = Rope(inner.rotary_emb, cfg.head_dim, self.dtype, self.device)
+        self._fused = None  # the kernel extension's DecoderLayers, built at the first decode-sized forward
 
     @classmethod
     def from_hf(cls, hf_model, weight_format: str = "float32") -> NativeModel:
@@ -411,6 +418,25 @@ class NativeModel(nn.Module):
         if why is not None:
             raise ValueError(why)
         return cls(NativeConfig.from_hf(hf_model.config), hf_model, weight_format).eval()
+
+    def fused_layers(self):
+        """Every layer's weights handed to the kernel extension once (its DecoderLayers), or None without it."""
+        if self._fused is None and self.blocks[0].down.kernel is not None:
+            c, tensors, ints = self.cfg, [], []
+            none = torch.empty(0)
+            for b in self.blocks:
+                qk = none if b.qk_norm is None else b.qk_norm.detach().float().contiguous()
+                tensors += [b.attn_norm.detach().contiguous(), b.mlp_norm.detach().contiguous(), qk]
+                for lin in (b.qkv, b.o, b.gate_up, b.down):
+                    k = lin.kernel
+                    tensors += [k.panels, none if k.bias is None else k.bias, none if k.scale is None else k.scale]
+                    ints += [k.group, k.out_features]
+            scale = self.blocks[0].scale
+            module = self.blocks[0].down.kernel.module
+            self._fused = module.DecoderLayers(
+                tensors, ints, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, scale
+            )
+        return self._fused
 
     @property
     def bf16_dot(self) -> bool:
@@ -491,10 +517,17 @@ class NativeModel(nn.Module):
 
         want, feats = set(feature_layers or []), {}
         x = F.embedding(input_ids, self.embed)  # [B, S, H]
-        for i, block in enumerate(self.blocks):
-            x = block(x, i, cache, ctx)
-            if i in want:
-                feats[i] = x  # residual stream after layer i, before the final norm
+        if per_query and fused_layers_enabled():  # every layer in one call of the kernel extension
+            keep = sorted(want)
+            d = self.cfg.head_dim
+            cs, sn = cos.reshape(-1, S, d).contiguous(), sin.reshape(-1, S, d).contiguous()  # [B or 1, S, D]
+            x, *kept = self.fused_layers().run(x, cache.k, cache.v, cs, sn, starts_t, keep)
+            feats = dict(zip(keep, kept))
+        else:
+            for i, block in enumerate(self.blocks):
+                x = block(x, i, cache, ctx)
+                if i in want:
+                    feats[i] = x  # residual stream after layer i, before the final norm
         for b in range(B):
             cache.lengths[b] = starts[b] + n[b]
 
