@@ -1,10 +1,10 @@
-"""Where one draft cycle goes, per part, on the drafter's library path and its packed path (drafter/fast.py).
+"""Where one draft cycle goes, per part: the drafter's library path, and its packed path (drafter/fast.py) per format.
 
 One cycle as decoding pays it: the drafter's cache takes the target features of the committed positions (the
 anchor and `--accepted` drafts: "context"), the backbone pass over the block ("backbone"), the base logits over
 the (draft) vocabulary ("base logits"), the head's left-to-right rollout ("rollout" = the whole rollout minus
 base logits and confidence) and the confidence head ("confidence"; the library path calls it once per slot, the
-packed path once per cycle). Both paths run in one process, interleaved per repeat; medians in ms, for each
+packed path once per cycle). The paths run in one process, interleaved per repeat; medians in ms, for each
 thread count. Run pinned on a quiet machine, e.g.
 
   taskset -c 1 python scripts/draft_cycle.py --threads 1 --cpu-clock
@@ -30,7 +30,12 @@ from dominospec.drafter.fast import ENV_SWITCH
 from dominospec.sampling import SamplingConfig
 from dominospec.targets import Target
 
-PATHS = {"library": "off", "packed": "on"}
+PATHS = {
+    "library": ("off", "float32"),
+    "packed": ("on", "float32"),
+    "packed int8": ("on", "int8"),
+    "packed bf16-dot": ("on", "bfloat16-dot"),
+}
 PARTS = ("context", "backbone", "base logits", "rollout", "confidence", "cycle")
 
 
@@ -117,9 +122,14 @@ def measure(target, drafter, args) -> dict:
     anchors = ids[0, -1:].repeat(R)
     greedy = SamplingConfig()
     samples = {(p, part): [] for p in PATHS for part in PARTS}
+    packs = {}  # each format's packed copies, made once (switching formats would repack every cycle)
+    for _, weights in PATHS.values():
+        drafter.weight_format = weights
+        packs[weights] = drafter.fast()
     for rep in range(args.repeats + 2):  # two warm-up rounds
-        for path, switch in PATHS.items():
+        for path, (switch, weights) in PATHS.items():
             os.environ[ENV_SWITCH] = switch
+            drafter.weight_format, drafter._packed = weights, packs[weights]
             times = one_cycle(drafter, rows, committed, args.context, anchors, b, greedy, args.clock)
             if rep >= 2:
                 for part, t in times.items():
@@ -150,14 +160,28 @@ def main() -> None:
     print(f"CPU: {cpu_model()}; target {target.name}; drafter {drafter.config.head}-{drafter.config.num_layers}L")
     print(f"block {args.block}, rows {args.rows}, context {args.context}, median of {args.repeats}; ms per part")
     if not packed:
-        print("(the packed path is not available here: both columns run the library path)")
+        print("(the packed path is not available here: every column runs the library path)")
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         ms = measure(target, drafter, args)
-        print(f"\n{threads} thread(s)\n| part | library | packed | ratio |\n|---|---:|---:|---:|")
+        print(
+            f"\n{threads} thread(s)\n| part | "
+            + " | ".join(PATHS)
+            + " | "
+            + " | ".join(f"library / {p}" for p in list(PATHS)[1:])
+            + " |"
+        )
+        print("|---|" + "---:|" * (2 * len(PATHS) - 1))
         for part in PARTS:
-            lib, new = ms["library", part], ms["packed", part]
-            print(f"| {part} | {lib:.2f} | {new:.2f} | {lib / new if new else float('nan'):.2f}x |")
+            row = [ms[p, part] for p in PATHS]
+            ratios = [row[0] / x if x else float("nan") for x in row[1:]]
+            print(
+                f"| {part} | "
+                + " | ".join(f"{x:.2f}" for x in row)
+                + " | "
+                + " | ".join(f"{r:.2f}x" for r in ratios)
+                + " |"
+            )
 
 
 if __name__ == "__main__":

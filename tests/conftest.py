@@ -40,6 +40,7 @@ def tiny_target(
     dtype=torch.float64,
     tied: bool = False,
     backend: str = "hf",
+    weights: str | None = None,
 ) -> Target:
     from transformers import (
         LlamaConfig,
@@ -72,7 +73,7 @@ def tiny_target(
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     model.to(dtype)
-    return Target(model, tokenizer=None, name=f"tiny-{family}", backend=backend)
+    return Target(model, tokenizer=None, name=f"tiny-{family}", backend=backend, weights=weights)
 
 
 def tiny_drafter(

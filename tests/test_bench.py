@@ -171,6 +171,24 @@ def test_bench_reports_the_profiles_prediction_next_to_the_measured_cycle(tmp_pa
     assert "(profile)" in (tmp_path / "report.md").read_text()
 
 
+def test_one_drafter_in_several_weight_formats_gets_a_method_per_format(llama_target, tmp_path, capsys):
+    """Protects: bench --drafter-weights runs each drafter once per weight format, each copy streaming its own
+    format and named ...@FORMAT; an unknown format is refused by name before anything loads."""
+    drafters = []
+    for fmt in ("float32", "int8"):
+        d = tiny_drafter(llama_target, head="domino", block_size=4)
+        d.weight_format = fmt
+        drafters.append((f"tiny @{fmt}", d))
+    methods, _ = bench_methods.build_methods(("drafters",), drafters)
+    assert [m.name for m in methods] == ["ar", "domino-2L-b4@float32", "domino-2L-b4@int8"]  # ar: the reference
+    from dominospec import cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["hi"]}\n')
+    assert cli.main(["bench", "--prompts", str(prompts), "--drafter-weights", "int4", "--out", str(tmp_path)]) == 2
+    assert "--drafter-weights 'int4': unknown int4" in capsys.readouterr().err
+
+
 # ----- losslessness -----
 
 

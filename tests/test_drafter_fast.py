@@ -148,9 +148,12 @@ def test_packed_path_never_runs_where_autograd_records_or_off_cpu_fp32(monkeypat
 
 
 def test_draft_costs_are_kept_apart_by_path(monkeypatch, target):
-    """A device profile's draft cost timed on one path is not read for the other (it is measured again)."""
+    """A device profile's draft cost timed on one path or weight format is not read for another (it is measured
+    again)."""
     drafter = make_drafter(target, "domino", False, 0)
     packed = profile_drafter_label(drafter)
+    monkeypatch.setattr(drafter, "weight_format", "int8")
+    assert profile_drafter_label(drafter) == packed + "-int8"
     monkeypatch.setenv(ENV_SWITCH, "off")
     assert drafter.inference_path == "library" and profile_drafter_label(drafter) + "/packed" == packed
 
@@ -222,6 +225,7 @@ def shipped(smollm):
 @pytest.mark.integration
 @pytest.mark.parametrize("n_rows", [1, 3])
 def test_shipped_drafter_packed_path_equals_the_library_path(monkeypatch, smollm, shipped, n_rows):
+    monkeypatch.setattr(shipped, "weight_format", "float32")  # the bundled target's own (int8) is tested below
     rows = [smollm.encode_chat(t) for t in CHAT[:n_rows]]
     for samplings in ([GREEDY] * n_rows, [T1] * n_rows):
         fast, lib = propose_both(monkeypatch, smollm, shipped, rows, samplings, b=8)
@@ -229,7 +233,11 @@ def test_shipped_drafter_packed_path_equals_the_library_path(monkeypatch, smollm
 
 
 @pytest.mark.integration
-def test_shipped_drafter_packed_output_is_plain_greedy(smollm, shipped):
+@pytest.mark.parametrize("weights", ["float32", "int8", "bfloat16-dot"])
+def test_shipped_drafter_packed_output_is_plain_greedy(monkeypatch, smollm, shipped, weights):
+    """Protects: whatever format the drafter's weights stream in (fast.py: the target's own by default, int8 for
+    the bundled model), speculative output through the loop and the engine is the target's plain greedy."""
+    monkeypatch.setattr(shipped, "weight_format", weights)
     ids = [smollm.encode_chat(t) for t in CHAT[:2]]
     engine = Engine(smollm, shipped, policy="fixed", max_batch=2)
     handles = [engine.submit(EngineRequest(p, 24)) for p in ids]
@@ -238,3 +246,29 @@ def test_shipped_drafter_packed_output_is_plain_greedy(smollm, shipped):
         ref = generate_autoregressive(smollm, p, 24).tokens
         assert generate_speculative(smollm, shipped, p, 24).tokens == ref
         assert h.wait(0).tokens == ref
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_drafter_weights_follow_the_target_or_the_switch(monkeypatch, fmt):
+    """Protects: the packed drafter streams the target's weight format unless DOMINOSPEC_DRAFTER_WEIGHTS says
+    otherwise (a bad value is refused by name); int8 and bf16 panels stream fewer bytes."""
+    from dominospec.drafter.fast import WEIGHTS_SWITCH
+
+    if load_kernels() is None:
+        pytest.skip("the small-M kernel does not build here")
+    target = tiny_target("qwen3", dtype=torch.float32, backend="native", weights=fmt)
+    drafter = make_drafter(target, "domino", confidence=True, draft_vocab=40)
+    assert drafter.weight_format == (fmt or "float32")
+    sizes = {}
+    for weights in ("float32", "bfloat16-dot", "int8"):
+        monkeypatch.setenv(WEIGHTS_SWITCH, weights)
+        drafter.attach(target)
+        assert drafter.weight_format == weights
+        with torch.no_grad():
+            packed = drafter.fast()
+        assert packed.format == weights
+        sizes[weights] = sum(layer.qkv.nbytes for layer in packed.layers)
+    assert sizes["int8"] < sizes["bfloat16-dot"] < sizes["float32"]
+    monkeypatch.setenv(WEIGHTS_SWITCH, "int4")
+    with pytest.raises(ValueError, match="DOMINOSPEC_DRAFTER_WEIGHTS='int4'"):
+        drafter.attach(target)

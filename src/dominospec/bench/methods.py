@@ -360,6 +360,7 @@ def build_methods(
         for name, policy in with_policies(f"lookup-b{b}", None, b, True):
             methods.append(PromptLookupAlone(name=name, block_size=b, policy=policy))
     seen: set[str] = set()
+    formats = {getattr(d, "weight_format", "float32") for _, d in drafters}
     for source, d in drafters:
         b = block_size.get(source) if isinstance(block_size, dict) else block_size
         if b is not None and b > d.config.block_size:
@@ -368,6 +369,8 @@ def build_methods(
             )
             b = d.config.block_size
         name = drafter_label(d, b)
+        if len(formats) > 1:  # one drafter in several weight formats (bench --drafter-weights)
+            name += f"@{d.weight_format}"
         if name in seen:  # two drafters with the same shape: tell them apart by directory
             name = f"{Path(source).name}:{name}"
         seen.add(name)

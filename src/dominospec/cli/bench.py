@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..bench.concurrency import (
     ENGINE_POLICIES,
     bench_concurrency,
@@ -21,6 +23,7 @@ from ..bench.runner import (
 )
 from ..data.prompts import check_prompt_file
 from ..drafter.checkpoint import ACCEPTANCE_NAME, is_shipped, sidecar_path
+from ..drafter.fast import DRAFTER_FORMATS
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
@@ -63,6 +66,9 @@ def cmd_bench(args) -> int:
         raise DominoError("--concurrency needs --prompts FILE.jsonl")
     groups = parse_methods(args.methods)
     verify = parse_verify(args.verify)
+    drafter_weights = (
+        parse_choices(args.drafter_weights, "--drafter-weights", DRAFTER_FORMATS) if args.drafter_weights else None
+    )
     check_verify_args(args)
     for p in args.prompts:
         check_prompt_file(p)
@@ -99,6 +105,12 @@ def cmd_bench(args) -> int:
         shipped = resolve_drafter(target, None)
         if shipped is not None:
             drafters = [("shipped default", shipped)]
+    if drafter_weights:  # one copy of each drafter per format (each keeps its own packed copies)
+        drafters = [
+            (f"{source} @{fmt}", with_weight_format(resolve_drafter(target, d.directory and str(d.directory)), fmt))
+            for source, d in drafters
+            for fmt in drafter_weights
+        ]
     block_size = args.block_size
     if block_size == "auto":
         block_size = {}
@@ -236,6 +248,14 @@ def _check_save_acceptance_args(args, groups, verify, sampling) -> None:
         raise DominoError("--save-acceptance would write nothing: " + "; ".join(why))
 
 
+def with_weight_format(drafter, fmt: str):
+    """The drafter, its packed path streaming weights in `fmt` (packed now, not inside a timed cycle)."""
+    drafter.weight_format = fmt
+    with torch.no_grad():
+        drafter.fast()
+    return drafter
+
+
 def _check_acceptance_destinations(drafters, block_size, into_package: bool) -> None:
     """Before the benchmark: each drafter's acceptance.json can be written, and is allowed to be."""
     if not drafters:
@@ -284,6 +304,14 @@ def add_parser(sub) -> None:
         default=[],
         metavar="DIR",
         help="drafter directory (repeatable; default: the one shipped for the bundled target)",
+    )
+    p.add_argument(
+        "--drafter-weights",
+        default=None,
+        metavar="FORMATS",
+        help="comma list of weight formats the drafters stream on the packed path (float32, bfloat16, "
+        "bfloat16-dot, int8): each drafter runs once per format, side by side, its methods named "
+        "...@FORMAT; default: the target's own format (or DOMINOSPEC_DRAFTER_WEIGHTS)",
     )
     p.add_argument(
         "--methods",

@@ -73,11 +73,17 @@ def check_threshold(threshold: float, flag: str = "--confidence-threshold") -> f
 
 
 def profile_drafter_label(drafter) -> str:
-    """How a device profile names the drafter whose draft cost it measured (and on which path: a table
-    timed on the library path is measured again for the packed one, and back)."""
+    """How a device profile names the drafter whose draft cost it measured (and on which path and weight
+    format: a table timed on the library path is measured again for the packed one, fp32 panels for int8)."""
     c = drafter.config
     packed = getattr(drafter, "inference_path", "library") == "packed"
-    return c.target_name + f"/{c.head}-{c.num_layers}L" + ("/packed" if packed else "")
+    fmt = getattr(drafter, "weight_format", "float32")
+    return (
+        c.target_name
+        + f"/{c.head}-{c.num_layers}L"
+        + ("/packed" if packed else "")
+        + (f"-{fmt}" if packed and fmt != "float32" else "")
+    )
 
 
 def calibrated_confidence(logits: torch.Tensor, temperatures: Sequence[float] | None) -> torch.Tensor:

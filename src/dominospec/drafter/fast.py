@@ -72,23 +72,50 @@ class Watch:
         )
 
 
-def _pack(module, *weights: torch.Tensor, bias=None) -> PackedLinear:
-    """One PackedLinear over the weights stacked by output rows (a fused projection)."""
-    w = weights[0] if len(weights) == 1 else torch.cat(weights)
-    return PackedLinear(module, w.detach().float(), None if bias is None else bias.detach())
+WEIGHTS_SWITCH = "DOMINOSPEC_DRAFTER_WEIGHTS"  # float32, bfloat16, bfloat16-dot, int8 or auto
+DRAFTER_FORMATS = ("float32", "bfloat16", "bfloat16-dot", "int8")
+
+
+def drafter_weight_format(target) -> str:
+    """The format the packed drafter streams its weights in: DOMINOSPEC_DRAFTER_WEIGHTS, else ("auto") the
+    target's own weight format (int8 for the bundled SmolLM2 under --dtype auto), else float32. bfloat16-dot:
+    bf16 weights on the CPU's bf16 dot product (AVX512-BF16; activations rounded to bf16 too), twice the
+    multiply-adds per instruction. Only the drafts' speed and acceptance depend on it: verification keeps the
+    output the target's."""
+    choice = os.environ.get(WEIGHTS_SWITCH, "auto").strip().lower()
+    if choice == "auto":
+        return getattr(target, "weight_only", None) or "float32"
+    if choice not in DRAFTER_FORMATS:
+        raise ValueError(f"{WEIGHTS_SWITCH}={choice!r}: expected one of {', '.join(DRAFTER_FORMATS)} or auto")
+    return choice
+
+
+class Packer:
+    """Packs weights into the kernel's panels in one weight format (DRAFTER_FORMATS; bfloat16-dot falls back to
+    bfloat16, widened to fp32, where the CPU has no bf16 dot product)."""
+
+    def __init__(self, module, weight_format: str):
+        self.module, self.format = module, weight_format
+        if weight_format == "bfloat16-dot":
+            self.format = "bfloat16_pairs" if module.has_bf16_dot() else "bfloat16"
+
+    def __call__(self, *weights: torch.Tensor, bias=None) -> PackedLinear:
+        """One PackedLinear over the weights stacked by output rows (a fused projection)."""
+        w = weights[0] if len(weights) == 1 else torch.cat(weights)
+        return PackedLinear(self.module, w.detach().float(), None if bias is None else bias.detach(), self.format)
 
 
 class PackedLayer:
     """A DraftLayer's inference: fused q/k/v (k/v alone for context rows), o, fused gate/up, down."""
 
-    def __init__(self, module, layer):
+    def __init__(self, pack: Packer, layer):
         c = self.c = layer.c
-        self.layer, self.module = layer, module
-        self.qkv = _pack(module, layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight)
-        self.kv = _pack(module, layer.k_proj.weight, layer.v_proj.weight)
-        self.o = _pack(module, layer.o_proj.weight)
-        self.gate_up = _pack(module, layer.gate_proj.weight, layer.up_proj.weight)
-        self.down = _pack(module, layer.down_proj.weight)
+        self.layer, self.module = layer, pack.module
+        self.qkv = pack(layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight)
+        self.kv = pack(layer.k_proj.weight, layer.v_proj.weight)
+        self.o = pack(layer.o_proj.weight)
+        self.gate_up = pack(layer.gate_proj.weight, layer.up_proj.weight)
+        self.down = pack(layer.down_proj.weight)
         self.qk_w = self.k_w = None  # [hq+hkv, D] per-head norm weights, so q and k heads are normed in one op
         if c.qk_norm:
             self.k_w = layer.k_norm.weight.detach()
@@ -159,7 +186,7 @@ class DominoSteps:
 
     needs_embedding = True
 
-    def __init__(self, module, head, hidden: int):
+    def __init__(self, pack: Packer, head, hidden: int):
         g = self.g = head.g
         wi, wh = head.gru_ih.weight.detach(), head.gru_hh.weight.detach()  # [3g, H], [3g, g], gates r, z, n
         zeros_ih, zeros_hh = wi.new_zeros(g, hidden), wh.new_zeros(g, g)
@@ -171,11 +198,11 @@ class DominoSteps:
                 torch.cat([zeros_ih, wh[2 * g :]], dim=1),
             ]
         )  # [4g, H+g]
-        self.gates = _pack(module, gates)
+        self.gates = pack(gates)
         self.w1_z, self.w1_s, self.w2 = (
-            _pack(module, head.w1_z.weight),
-            _pack(module, head.w1_s.weight),
-            _pack(module, head.w2.weight),
+            pack(head.w1_z.weight),
+            pack(head.w1_s.weight),
+            pack(head.w2.weight),
         )
         self.hidden = hidden
 
@@ -202,8 +229,8 @@ class MarkovSteps:
 
     needs_embedding = False
 
-    def __init__(self, module, head, hidden: int):
-        self.w1, self.w2 = head.w1.weight.detach(), _pack(module, head.w2.weight)
+    def __init__(self, pack: Packer, head, hidden: int):
+        self.w1, self.w2 = head.w1.weight.detach(), pack(head.w2.weight)
 
     def start(self, z):
         return None
@@ -217,10 +244,10 @@ class RNNSteps:
 
     needs_embedding = False
 
-    def __init__(self, module, head, hidden: int):
+    def __init__(self, pack: Packer, head, hidden: int):
         self.r = head.r
         self.w1 = head.w1.weight.detach()
-        self.cell, self.w2 = _pack(module, head.cell.weight, bias=head.cell.bias), _pack(module, head.w2.weight)
+        self.cell, self.w2 = pack(head.cell.weight, bias=head.cell.bias), pack(head.w2.weight)
 
     def start(self, z):
         return z, z.new_zeros(z.shape[0], 2 * self.r + z.shape[-1])  # z [R, b, H]; [s ; e ; h] [R, 2r+H], s = 0
@@ -240,26 +267,27 @@ STEPS = {"domino": DominoSteps, "markov": MarkovSteps, "rnn": RNNSteps}
 class PackedDrafter:
     """Packed copies of a Drafter's weights and its inference passes over them (see the module note)."""
 
-    def __init__(self, drafter, module):
+    def __init__(self, drafter, module, weight_format: str = "float32"):
         c = drafter.config
-        self.drafter, self.config = drafter, c
+        self.drafter, self.config, self.format = drafter, c, weight_format
+        pack = Packer(module, weight_format)
         self.watch = Watch(watched_tensors(drafter))
-        self.fc = _pack(module, drafter.fc.weight)
-        self.layers = [PackedLayer(module, layer) for layer in drafter.layers]
+        self.fc = pack(drafter.fc.weight)
+        self.layers = [PackedLayer(pack, layer) for layer in drafter.layers]
         self.rope = Rope(c.head_dim, c.rope_theta)
-        self.lm_head = self._lm_head(drafter, module)
+        self.lm_head = self._lm_head(drafter, pack)
         head = drafter.head
-        self.steps = STEPS[c.head](module, head, c.hidden_size) if head.corrects else None
+        self.steps = STEPS[c.head](pack, head, c.hidden_size) if head.corrects else None
         self.conf = None
         if drafter.confidence is not None:
-            self.conf = _pack(module, drafter.confidence.proj.weight, bias=drafter.confidence.proj.bias)
+            self.conf = pack(drafter.confidence.proj.weight, bias=drafter.confidence.proj.bias)
 
     @staticmethod
-    def _lm_head(drafter, module) -> PackedLinear:
+    def _lm_head(drafter, pack: Packer) -> PackedLinear:
         if drafter._head_rows is not None:  # the draft vocabulary's rows, packed once
-            return _pack(module, drafter._head_rows)
+            return pack(drafter._head_rows)
         shared = drafter._target_head_kernel  # the full LM head: the target's own panels where it has them
-        return shared if shared is not None else _pack(module, drafter._tables()[1].weight)
+        return shared if shared is not None else pack(drafter._tables()[1].weight)
 
     # ----- the backbone -----
     def context(self, features: torch.Tensor) -> torch.Tensor:

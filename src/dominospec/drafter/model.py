@@ -25,7 +25,7 @@ from ..targets.kernels import load_kernels
 from ..targets.native import KVCache
 from .checkpoint import CONFIG_NAME, check_draft_vocab, check_state, read_checkpoint, save_checkpoint
 from .config import DrafterConfig
-from .fast import PackedDrafter, fast_enabled, watched_tensors
+from .fast import PackedDrafter, drafter_weight_format, fast_enabled, watched_tensors
 from .heads import HEADS, ConfidenceHead
 from .layers import DraftLayer, RMSNorm, block_attention_mask, rope_tables
 
@@ -65,6 +65,7 @@ class Drafter(nn.Module):
         self._head_rows: torch.Tensor | None = None  # LM-head rows of the draft vocabulary
         self._target_head_kernel = None  # the target's packed LM head (native CPU fp32), for the fast path
         self._packed: PackedDrafter | None = None  # inference copies on the small-row kernel (fast.py)
+        self.weight_format = "float32"  # of the packed copies: the target's weight format at attach (fast.py)
 
     @staticmethod
     def _init(m):
@@ -91,6 +92,7 @@ class Drafter(nn.Module):
         self.check_fits(target)
         self.to(device=target.device, dtype=target.dtype)
         self._borrowed = (target.input_embeddings(), target.output_embeddings())
+        self.weight_format = drafter_weight_format(target)
         self._drop_stale_pack()  # the same target again keeps them (attach is cheap to repeat)
         self._target_head_kernel = None
         native_head = getattr(getattr(target, "native", None), "lm_head", None)
@@ -121,8 +123,8 @@ class Drafter(nn.Module):
             return None
         module = load_kernels()
         packed = self._packed  # one read: another thread may repack meanwhile
-        if packed is None or packed.watch.stale():
-            packed = self._packed = PackedDrafter(self, module)
+        if packed is None or packed.format != self.weight_format or packed.watch.stale():
+            packed = self._packed = PackedDrafter(self, module, self.weight_format)
         return packed
 
     def __getstate__(self):  # copies and pickles leave the packed copies behind (made again at next use)
