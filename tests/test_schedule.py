@@ -224,6 +224,27 @@ def test_top_probability_calibration_learns_each_positions_acceptance():
     assert policy.survival(p) == pytest.approx(torch.cumprod(c, 0).tolist())
 
 
+@pytest.mark.parametrize("informative", ["head", "top"])
+def test_the_cost_policy_reads_the_confidence_that_predicted_better(informative):
+    """Protects: for a drafter with a confidence head, the cost policy scores the head's and the top
+    probability's estimates on every judged position (log loss, before learning the outcome) and, after its
+    warm-up, reads the one that predicted the outcomes better; before the warm-up, the head."""
+    policy = CostPolicy(costs=COSTS, block_size=1)
+    gen = torch.Generator().manual_seed(1)
+    assert policy.choice.choice == "head"
+    for _ in range(400):
+        accepted = bool(torch.rand(1, generator=gen) < 0.5)
+        sharp, flat = (0.95 if accepted else 0.05), 0.5  # one estimate knows the outcome, the other does not
+        head, top = (sharp, flat) if informative == "head" else (flat, sharp)
+        p = Proposal(torch.tensor([1]), None, torch.tensor([logit(head)]), draft_top=torch.tensor([top]))
+        policy.observe(p, verified=1, accepted=int(accepted))
+    assert policy.choice.choice == informative
+    p = Proposal(torch.tensor([1]), None, torch.tensor([logit(0.9)]), draft_top=torch.tensor([0.3]))
+    expected = 0.9 if informative == "head" else float(policy.top_calibration(torch.tensor([0.3]))[0])
+    assert policy.survival(p) == pytest.approx([expected])
+    assert policy.describe()["confidence"].startswith(informative)
+
+
 # ----- lossless end to end -----
 
 

@@ -62,8 +62,9 @@ class DrafterProposer:
     def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True):
         """rows: a per-row draft cache (drafter.new_row_cache) for many sequences; None at batch 1."""
         self.drafter, self.block_size, self.rows, self.use_head = drafter, block_size, rows, use_head
-        # without a confidence head, the policies read the draft's own top probability
-        self.top = getattr(drafter, "confidence", None) is None
+        # the draft's own top probability: the cost policy's estimate without a confidence head, and beside one
+        # (schedule.ConfidenceChoice reads whichever has predicted the outcomes better)
+        self.top = True
 
     @property
     def bytes_per_row(self) -> int:

@@ -147,6 +147,41 @@ class TopCalibration:
             self.b[k] -= self.lr * g
 
 
+class ConfidenceChoice:
+    """Which acceptance estimate the cost policy reads for a proposal that carries two: the confidence head's
+    (calibrated by its STS temperatures) or the draft's own top probability (TopCalibration). Each is scored
+    on every judged position by its log loss against the outcome, before that outcome is learnt, the sums
+    decaying by `decay` per cycle; after `warmup` judged positions the one with the lower loss is read, the
+    head before. Measured on the bundled target (scripts/confidence_auc.py, 1,881 greedy cycles of the four
+    eval sets): AUC at position 1 0.746 for the shipped head, 0.782 for the online-calibrated top probability.
+    Reads only estimates and past outcomes, never the drafted tokens: a policy on it stays lossless."""
+
+    SOURCES = ("head", "top")
+
+    def __init__(self, decay: float = 0.995, warmup: int = 32, eps: float = 1e-4):
+        self.decay, self.warmup, self.eps = decay, warmup, eps
+        self.loss = dict.fromkeys(self.SOURCES, 0.0)
+        self.judged = 0
+
+    @property
+    def choice(self) -> str:
+        if self.judged < self.warmup:
+            return "head"
+        return min(self.SOURCES, key=lambda s: (self.loss[s], s != "head"))
+
+    def record(self, estimates: dict[str, torch.Tensor], verified: int, accepted: int) -> None:
+        """estimates: each source's conditional confidences [b] of one proposal, made before its outcome."""
+        for s in self.SOURCES:
+            self.loss[s] *= self.decay
+        judged = min(verified, accepted + 1)  # positions up to the first rejection were judged
+        for s in self.SOURCES:
+            qs = estimates[s].double().cpu().tolist()
+            for k in range(min(judged, len(qs))):
+                q = min(max(qs[k], self.eps), 1 - self.eps)
+                self.loss[s] -= math.log(q if k < accepted else 1 - q)
+        self.judged += judged
+
+
 # ----- what a step costs -----
 
 
@@ -437,6 +472,7 @@ class CostPolicy(ConfidencePolicy):
     name = "cost"
 
     def __post_init__(self):
+        self.choice = ConfidenceChoice()  # kept across generations, as the top calibration
         self.start()
 
     def start(self) -> None:
@@ -445,6 +481,19 @@ class CostPolicy(ConfidencePolicy):
             self.top_calibration = TopCalibration()
         self.skipped_in_a_row = 0
         self.skipped = 0
+
+    def estimates(self, proposal: Proposal) -> dict[str, torch.Tensor] | None:
+        """Both conditional confidences of a proposal that carries a head's logits and its top probabilities."""
+        head = self.confidences(proposal)
+        if head is None or proposal.draft_top is None or proposal.source != "drafter":
+            return None
+        return {"head": head, "top": self.top_calibration(proposal.draft_top)}
+
+    def survival(self, proposal: Proposal) -> list[float]:
+        both = self.estimates(proposal)
+        if both is None:
+            return super().survival(proposal)
+        return torch.cumprod(both[self.choice.choice].double().cpu(), 0).tolist()
 
     def rates(self, survival: Sequence[float], context: int = 0) -> list[float]:
         """One row's expected committed tokens per second when verifying k = 0, 1, ... drafts (while the
@@ -497,6 +546,9 @@ class CostPolicy(ConfidencePolicy):
         if proposal.source != "drafter":
             return
         self.acceptance.record(verified, accepted)
+        both = self.estimates(proposal)  # scored before the calibration learns this outcome
+        if both is not None:
+            self.choice.record(both, verified, accepted)
         if proposal.draft_top is not None:
             self.top_calibration.record(proposal.draft_top, verified, accepted)
         if row is not None:  # the request's own estimate starts from the pooled one (worth two cycles)
@@ -507,6 +559,9 @@ class CostPolicy(ConfidencePolicy):
 
     def describe(self) -> dict:
         d = {"verify": self.name, "calibration": self.note, "search": "first drop (sampled), whole curve (greedy)"}
+        d["confidence"] = (
+            f"{self.choice.choice} (log loss head {self.choice.loss['head']:.1f}, top {self.choice.loss['top']:.1f})"
+        )
         if isinstance(self.costs, CostTable):
             d.update(draft_s=self.costs.draft_s, profiled_contexts=sorted(self.costs.verify_s))
         else:
