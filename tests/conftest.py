@@ -572,3 +572,34 @@ def serve_in_thread(engine, target, api_key: str | None = None, request_timeout:
     config = ServeConfig(model_name=target.name, api_key=api_key, request_timeout=request_timeout)
     with serving(engine, target, config) as base:
         yield base
+
+
+# ----- the native forward: fused decoder layers against the Python loop -----
+
+
+def fused_vs_python(native, monkeypatch, fused_switch, prompts, new):
+    """Logits and features of one ragged decode-sized forward, with the layers fused (in one kernel call) and in
+    the Python loop, each from its own prefilled cache."""
+    from dominospec.targets import native as native_module
+
+    out = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv(fused_switch, mode)
+        cache = native.new_cache(len(prompts), 128)
+        for r, prompt in enumerate(prompts):  # prefill (SDPA, the Python loop either way)
+            native(torch.tensor([prompt]), cache.row(r), logits="none")
+            cache.set_length(r, len(prompt))
+        width = max(map(len, new))
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in new])
+        if mode == "on":  # the Python loop must not run
+            monkeypatch.setattr(
+                native_module.Block, "forward", lambda *a, **k: pytest.fail("the Python layer loop ran")
+            )
+        out[mode] = native(
+            padded, cache, num_new=[len(t) for t in new], logits="all", feature_layers=[0, native.cfg.num_layers - 1]
+        )
+        if mode == "on":
+            monkeypatch.undo()
+        for r, (prompt, toks) in enumerate(zip(prompts, new)):
+            assert cache.lengths[r] == len(prompt) + len(toks)
+    return out

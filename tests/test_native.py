@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import fused_vs_python
 
 from dominospec.targets.native import KVCache, Linear, NativeModel, _packing_available, native_support
 
@@ -385,34 +386,6 @@ def test_native_sequence_features_equal_the_transformers_pass(layer_ids):
         assert a.shape == b.shape == (len(s), len(layer_ids) * hf.hidden_size)
         torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-9)
         torch.testing.assert_close(d, c, atol=1e-9, rtol=1e-9)
-
-
-def fused_vs_python(native, monkeypatch, fused_switch, prompts, new):
-    """Logits and features of one ragged decode-sized forward, with the layers fused (in one kernel call) and in
-    the Python loop, each from its own prefilled cache."""
-    from dominospec.targets import native as native_module
-
-    out = {}
-    for mode in ("on", "off"):
-        monkeypatch.setenv(fused_switch, mode)
-        cache = native.new_cache(len(prompts), 128)
-        for r, prompt in enumerate(prompts):  # prefill (SDPA, the Python loop either way)
-            native(torch.tensor([prompt]), cache.row(r), logits="none")
-            cache.set_length(r, len(prompt))
-        width = max(map(len, new))
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in new])
-        if mode == "on":  # the Python loop must not run
-            monkeypatch.setattr(
-                native_module.Block, "forward", lambda *a, **k: pytest.fail("the Python layer loop ran")
-            )
-        out[mode] = native(
-            padded, cache, num_new=[len(t) for t in new], logits="all", feature_layers=[0, native.cfg.num_layers - 1]
-        )
-        if mode == "on":
-            monkeypatch.undo()
-        for r, (prompt, toks) in enumerate(zip(prompts, new)):
-            assert cache.lengths[r] == len(prompt) + len(toks)
-    return out
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import transformers
 from conftest import (
     assert_matches_target_distribution,
+    fused_vs_python,
     serving,
     tiny_chat_target,
     tiny_drafter,
@@ -458,8 +459,6 @@ def test_int8_is_refused_where_there_is_no_kernel_path_to_run_it(char_model):
 def test_the_fused_layers_compute_the_python_layers_in_every_format(fmt, kernels, monkeypatch):
     """Protects: the one-call decoder layers (DecoderLayers) read each format's panels and int8 scales as the
     Python loop does: same logits to fp32 rounding and the same greedy picks, ragged rows."""
-    from test_native import fused_vs_python
-
     from dominospec.targets.native import FUSED_SWITCH
 
     if fmt == "bfloat16-dot" and not kernels.has_bf16_dot():

@@ -440,12 +440,60 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 // Attention over the KV cache for a few new tokens per row (decode and verify), each query on its own.
 //
 // Query j of row b sits at position starts[b] + j and reads keys 0..starts[b] + j. Its score with key t
-// is the dot product over D summed in order d = 0, 1, ... (one FMA per d, in the key's vector lane: the
-// keys of a block of VW are transposed once and serve every query of the kv head); its softmax takes the
-// max, the exponentials and their sum in key order, and its output sums the values in key order. Nothing
+// is the dot product over D in one fixed order (with AVX-512 and D a multiple of 16: per key, VW lanes of
+// partial sums over d, then a fixed tree of lane shuffles that sums 16 keys' lanes at once; else one FMA
+// per d in order); its softmax takes the max, the exponentials and their sum in key order, and its output
+// sums the values in key order. Nothing
 // in that arithmetic depends on the other queries of the call, the other rows, their number or the thread
 // that runs it: a token verified among k others, decoded alone, or run in a ragged batch of the engine
 // gets the same bits. (SDPA's masked multi-query and one-query paths sum in different orders.)
+
+#if defined(__AVX512F__)
+inline vf sum_lanes_16(const vf (&a)[16]) {
+  // out[l] = the sum of a[l]'s 16 lanes, by a fixed tree (halves, quarters, eighths, pairs): 16 keys at once
+  vf b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+#endif
+
+inline void key_scores(const float* __restrict q, const float* __restrict keys, int64_t n, int64_t D, float scale,
+                       float* __restrict out) {
+  // out[l] = scale * (q . keys[l]) for the n <= VW keys of one block (rows of D), in one fixed order
+#if defined(__AVX512F__)
+  if (D % VW == 0) {
+    vf acc[VW];
+    for (int l = 0; l < VW; ++l) {
+      vf a = {};
+      if (l < n)
+        for (int64_t d = 0; d < D; d += VW) {
+          vf qv, kv;
+          std::memcpy(&qv, q + d, sizeof(vf));
+          std::memcpy(&kv, keys + l * D + d, sizeof(vf));
+          a += qv * kv;  // one FMA
+        }
+      acc[l] = a;
+    }
+    const vf s = sum_lanes_16(acc) * scale;
+    std::memcpy(out, &s, n * sizeof(float));
+    return;
+  }
+#endif
+  for (int64_t l = 0; l < n; ++l) {
+    float s = 0.0f;
+    for (int64_t d = 0; d < D; ++d) s += q[d] * keys[l * D + d];
+    out[l] = s * scale;
+  }
+}
 
 inline vf exp_nonpositive(vf x) {
   // e^x for x <= 0 (scores minus their max), VW lanes at once: Cody-Waite reduction by ln 2 and a
@@ -525,7 +573,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   const int64_t sb = q.stride(0), ss = q.stride(1), sh = q.stride(2);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(D * VW), p, acc(D);
+    std::vector<float> p, acc(D);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u / Hkv, g = u % Hkv, start = sp[b], Tall = start + S;
       const float* keys = kp + (b * Hkv + g) * L * D;
@@ -534,31 +582,9 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
       p.assign(Qn * Tpad, 0.0f);  // scores, then weights: query (j, h) at row j * G + h
       for (int64_t t0 = 0; t0 < Tall; t0 += VW) {
         const int64_t n = std::min<int64_t>(VW, Tall - t0);
-        for (int64_t d = 0; d < D; ++d)  // the block transposed: kt[d][lane] = key t0 + lane
-          for (int64_t l = 0; l < VW; ++l) kt[d * VW + l] = l < n ? keys[(t0 + l) * D + d] : 0.0f;
-        // the queries that see key t0, four at a time (each key vector loaded once for four FMAs)
-        for (int64_t qi = std::max<int64_t>(0, t0 - start) * G; qi < Qn; qi += 4) {
-          const int64_t cnt = std::min<int64_t>(4, Qn - qi);
-          const float* qv[4];
-          for (int64_t c = 0; c < 4; ++c) {
-            const int64_t idx = qi + std::min(c, cnt - 1), j = idx / G, h = idx % G;
-            qv[c] = qp + b * sb + j * ss + (g * G + h) * sh;
-          }
-          vf s[4] = {};
-          for (int64_t d = 0; d < D; ++d) {
-            vf kd;
-            std::memcpy(&kd, kt.data() + d * VW, sizeof(vf));
-            s[0] += qv[0][d] * kd;
-            s[1] += qv[1][d] * kd;
-            s[2] += qv[2][d] * kd;
-            s[3] += qv[3][d] * kd;
-          }
-          for (int64_t c = 0; c < cnt; ++c) {
-            const vf scaled = s[c] * sc;
-            float lanes[VW];
-            std::memcpy(lanes, &scaled, sizeof(lanes));
-            std::copy(lanes, lanes + n, p.data() + (qi + c) * Tpad + t0);
-          }
+        for (int64_t qi = std::max<int64_t>(0, t0 - start) * G; qi < Qn; ++qi) {  // the queries that see key t0
+          const int64_t j = qi / G, h = qi % G;
+          key_scores(qp + b * sb + j * ss + (g * G + h) * sh, keys + t0 * D, n, D, sc, p.data() + qi * Tpad + t0);
         }
       }
       for (int64_t j = 0; j < S; ++j)
@@ -734,7 +760,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot);
   m.def("pack", &pack);
   m.def("linear", &linear);
-  py::class_<DecoderLayers>(m, "DecoderLayers")
+  py::class_<DecoderLayers>(m, "DecoderLayers", py::module_local())  // builds of other sources may share a process
       .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, int64_t, double, double>())
       .def("run", &DecoderLayers::run, py::call_guard<py::gil_scoped_release>());  // a server's threads run meanwhile
 }
