@@ -38,6 +38,7 @@ def cmd_train(args) -> int:
         position_weighting=args.position_weighting,
         accept_loss=args.accept_loss,
         entropy_keep=args.entropy_keep,
+        replay=args.replay,
         lambda_start=args.lambda_start,
         lambda_decay=args.lambda_decay,
         max_seq_len=args.max_seq_len,
@@ -180,6 +181,14 @@ def add_parser(sub) -> None:
         default=default(TrainConfig, "entropy_keep"),
         help="train on this fraction of the supervised slots of each micro-batch, those where the target is "
         "least certain (highest entropy), weighted 1/F (default %(default)s: all)",
+    )
+    p.add_argument(
+        "--replay",
+        type=float,
+        default=default(TrainConfig, "replay"),
+        help="on-policy replay: this share of each sample's anchors is drawn where the drafter's own greedy draft "
+        "was rejected the last time the sample was trained (its first miss becomes slot 0); the rest as usual "
+        "(default %(default)s: off; packed step with sampled anchors)",
     )
     p.add_argument(
         "--lambda-start",

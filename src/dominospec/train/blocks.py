@@ -53,6 +53,34 @@ def sample_anchors(loss_mask: torch.Tensor, n: int, rng: random.Random) -> torch
     return torch.tensor(cand, dtype=torch.long)
 
 
+def first_misses(final_logits: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor) -> list[int]:
+    """Where a greedy verify of each block rejects its first draft: position a + k for a block anchored at a
+    whose slots before k hit and whose slot k (with a label) misses. Blocks that hit to their last label
+    reject nothing. Anchoring a block there puts the rejected token in slot 0 (on-policy replay)."""
+    valid = labels != IGNORE
+    hit = (final_logits.argmax(-1) == labels) & valid  # [N, B]
+    k = hit.long().cumprod(-1).sum(-1)  # [N] leading hits
+    B = labels.shape[1]
+    missed = (k < B) & valid.gather(1, k.clamp(max=B - 1)[:, None])[:, 0]
+    return (anchors + k)[missed].tolist()
+
+
+def replay_anchors(
+    loss_mask: torch.Tensor, n: int, missed: list[int], share: float, rng: random.Random
+) -> torch.Tensor:
+    """n anchors of which up to round(share * n) are drawn from `missed` (positions where the drafter's draft was
+    last rejected, still anchor candidates) and the rest uniformly from the other candidates; sorted."""
+    cand = anchor_candidates(loss_mask).tolist()
+    if n == 0 or n >= len(cand):
+        return torch.tensor(cand, dtype=torch.long)
+    allowed = set(cand)
+    pool = sorted({m for m in missed if m in allowed})
+    hard = rng.sample(pool, min(len(pool), round(share * n)))
+    taken = set(hard)
+    rest = rng.sample([c for c in cand if c not in taken], n - len(hard))
+    return torch.tensor(sorted(hard + rest), dtype=torch.long)
+
+
 @dataclass
 class TeacherForced:
     """One sequence's blocks run the training way. Shapes: N blocks of B slots, H hidden, V' draft vocabulary."""

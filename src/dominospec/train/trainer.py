@@ -43,8 +43,10 @@ from ..targets.features import FeatureCache
 from .blocks import (
     IGNORE,
     dense_or_sampled_anchors,
+    first_misses,
     make_blocks,
     position_weights,
+    replay_anchors,
     sample_anchors,
     simulated_tau,
     teacher_forced_blocks,
@@ -88,6 +90,7 @@ class TrainConfig:
     position_weighting: str = "decay"  # "decay": exp(-k/gamma); "dpace": 0.5 + 0.5 * survival (objectives.py)
     accept_loss: float = 0.0  # weight of the LK-style -log(expected acceptance) loss (objectives.py)
     entropy_keep: float = 1.0  # train on this fraction of slots, those of highest target entropy
+    replay: float = 0.0  # share of a sample's anchors drawn where the drafter's draft was last rejected (packed)
     max_seq_len: int = 2048
     seed: int = 0
     save_every: int = 50
@@ -108,6 +111,7 @@ class TrainConfig:
         "position_weighting": "decay",
         "accept_loss": 0.0,
         "entropy_keep": 1.0,
+        "replay": 0.0,
     }
 
     def __post_init__(self):
@@ -138,6 +142,8 @@ class TrainConfig:
             ("position_weighting", self.position_weighting in POSITION_WEIGHTS, f"one of {POSITION_WEIGHTS}"),
             ("accept_loss", finite(self.accept_loss) and 0 <= self.accept_loss <= 1, "in [0, 1]"),
             ("entropy_keep", finite(self.entropy_keep) and 0 < self.entropy_keep <= 1, "a fraction in (0, 1]"),
+            ("replay", finite(self.replay) and 0 <= self.replay < 1, "a fraction in [0, 1)"),
+            ("replay", self.replay == 0 or (self.packed and self.anchors > 0), "off with --no-packed or --anchors 0"),
         ]
         for name, ok, want in rules:
             if not ok:
@@ -240,6 +246,7 @@ class Trainer:
         self._in_memory: dict[int, tuple] = {}  # the packed step's fp16 features, read or computed once
         self._memory_left = int(memory_gb * 2**30)
         self._lse: dict[int, torch.Tensor] = {}  # per sample: the target's log-normaliser at every position
+        self.missed: dict[int, list[int]] = {}  # per sample: where its blocks' first drafts were last rejected
         self.positions = 0  # supervised block slots trained by this process so far (the throughput unit)
         self.warmup_steps = max(1, int(cfg.warmup * self.total))  # fixed at the start; total may grow on resume
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda step: self.lr_factor(step))
@@ -426,7 +433,11 @@ class Trainer:
             for i in idx:
                 s = self.samples[i]
                 mask = torch.tensor(s["loss_mask"])
-                a = dense_or_sampled_anchors(mask, cfg.anchors, cfg.seed, epoch, i)
+                if cfg.replay and i in self.missed:  # on-policy replay: where its drafts were rejected last time
+                    rng = random.Random(f"{cfg.seed}-epoch{epoch}-{i}-replay")
+                    a = replay_anchors(mask, cfg.anchors, self.missed[i], cfg.replay, rng)
+                else:
+                    a = dense_or_sampled_anchors(mask, cfg.anchors, cfg.seed, epoch, i)
                 if a.numel():
                     tokens, labels = make_blocks(torch.tensor(s["input_ids"]), mask, a, self.block)
                     parts = (t.to(self.device).split(PACKED_BLOCKS) for t in (a, tokens, labels))
@@ -482,9 +493,23 @@ class Trainer:
         with self._part("backward"):
             (loss / den).backward()
         with self._part("metrics"), torch.no_grad():
-            g, s = simulated_tau(tf.final.detach().float(), labels, p_t)
+            final = tf.final.detach().float()
+            g, s = simulated_tau(final, labels, p_t)
             n = labels.shape[0]
+            if self.cfg.replay:
+                self._record_misses(batch, final, labels)
             return {k: float(v.detach()) for k, v in terms.items()}, (g * n, (s or 0.0) * n)
+
+    def _record_misses(self, batch: list, final: torch.Tensor, labels: torch.Tensor) -> None:
+        """Per sample of the micro-batch, the positions where its blocks' first drafts were rejected (the rows of
+        final / labels follow the batch's pieces in order; a sample's pieces of this step replace its record)."""
+        row, seen = 0, set()
+        for i, (anchors, _, _) in batch:
+            n = anchors.shape[0]
+            misses = first_misses(final[row : row + n], labels[row : row + n], anchors.to(final.device))
+            self.missed[i] = (self.missed.get(i, []) if i in seen else []) + misses
+            seen.add(i)
+            row += n
 
     # ----- one sequence's loss (the per-sequence step, --no-packed) -----
     def sequence_terms(self, i: int, feats: torch.Tensor, final_hidden, anchors: torch.Tensor, lam: float):
