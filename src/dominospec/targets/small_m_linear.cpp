@@ -443,10 +443,11 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 // is the dot product over D in one fixed order (with AVX-512 and D a multiple of 16: per key, VW lanes of
 // partial sums over d, then a fixed tree of lane shuffles that sums 16 keys' lanes at once; else one FMA
 // per d in order); its softmax takes the max, the exponentials and their sum in key order, and its output
-// sums the values in key order. Nothing
-// in that arithmetic depends on the other queries of the call, the other rows, their number or the thread
-// that runs it: a token verified among k others, decoded alone, or run in a ragged batch of the engine
-// gets the same bits. (SDPA's masked multi-query and one-query paths sum in different orders.)
+// sums the values in key order. Up to QG queries of a kv head go together, so each key and value row is
+// loaded once for all of them (from L1/L2: the cache is read about once per QG queries), but nothing in
+// one query's arithmetic depends on the other queries of the call, the other rows, their number or the
+// thread that runs it: a token verified among k others, decoded alone, or run in a ragged batch of the
+// engine gets the same bits. (SDPA's masked multi-query and one-query paths sum in different orders.)
 
 #if defined(__AVX512F__)
 inline vf sum_lanes_16(const vf (&a)[16]) {
@@ -466,33 +467,54 @@ inline vf sum_lanes_16(const vf (&a)[16]) {
 }
 #endif
 
-inline void key_scores(const float* __restrict q, const float* __restrict keys, int64_t n, int64_t D, float scale,
-                       float* __restrict out) {
-  // out[l] = scale * (q . keys[l]) for the n <= VW keys of one block (rows of D), in one fixed order
+constexpr int QG = 4;  // queries of one kv head that share each key and value row as it streams by
+
+#if defined(__AVX512F__)
+template <int NQ>
+void key_scores_v(const float* const* q, const float* __restrict keys, int64_t n, int64_t D, float scale,
+                  float* const* out) {
+  vf acc[NQ][VW];
+  for (int l = 0; l < VW; ++l) {
+    vf a[NQ] = {};
+    if (l < n)
+      for (int64_t d = 0; d < D; d += VW) {
+        vf kv;
+        std::memcpy(&kv, keys + l * D + d, sizeof(vf));
+        for (int c = 0; c < NQ; ++c) {
+          vf qv;
+          std::memcpy(&qv, q[c] + d, sizeof(vf));
+          a[c] += qv * kv;  // one FMA
+        }
+      }
+    for (int c = 0; c < NQ; ++c) acc[c][l] = a[c];
+  }
+  for (int c = 0; c < NQ; ++c) {
+    const vf s = sum_lanes_16(acc[c]) * scale;
+    std::memcpy(out[c], &s, n * sizeof(float));
+  }
+}
+#endif
+
+inline void key_scores(const float* const* q, int nq, const float* __restrict keys, int64_t n, int64_t D, float scale,
+                       float* const* out) {
+  // out[c][l] = scale * (q[c] . keys[l]) for nq <= QG queries and the n <= VW keys of one block (rows of D); each
+  // query's sums in one fixed order, whatever nq and n (a key's sum reads only its own lanes)
 #if defined(__AVX512F__)
   if (D % VW == 0) {
-    vf acc[VW];
-    for (int l = 0; l < VW; ++l) {
-      vf a = {};
-      if (l < n)
-        for (int64_t d = 0; d < D; d += VW) {
-          vf qv, kv;
-          std::memcpy(&qv, q + d, sizeof(vf));
-          std::memcpy(&kv, keys + l * D + d, sizeof(vf));
-          a += qv * kv;  // one FMA
-        }
-      acc[l] = a;
+    switch (nq) {
+      case 1: return key_scores_v<1>(q, keys, n, D, scale, out);
+      case 2: return key_scores_v<2>(q, keys, n, D, scale, out);
+      case 3: return key_scores_v<3>(q, keys, n, D, scale, out);
+      default: return key_scores_v<4>(q, keys, n, D, scale, out);
     }
-    const vf s = sum_lanes_16(acc) * scale;
-    std::memcpy(out, &s, n * sizeof(float));
-    return;
   }
 #endif
-  for (int64_t l = 0; l < n; ++l) {
-    float s = 0.0f;
-    for (int64_t d = 0; d < D; ++d) s += q[d] * keys[l * D + d];
-    out[l] = s * scale;
-  }
+  for (int c = 0; c < nq; ++c)
+    for (int64_t l = 0; l < n; ++l) {
+      float s = 0.0f;
+      for (int64_t d = 0; d < D; ++d) s += q[c][d] * keys[l * D + d];
+      out[c][l] = s * scale;
+    }
 }
 
 inline vf exp_nonpositive(vf x) {
@@ -517,40 +539,63 @@ inline vf exp_nonpositive(vf x) {
   return p * two_n;
 }
 
-template <int NDV>
-void weighted_values_v(const float* __restrict w, const float* __restrict vals, int64_t T, float* __restrict acc) {
-  // acc[D = NDV * VW] = sum over t in order of w[t] * vals[t]: the accumulators stay in registers
-  vf a[NDV] = {};
-  for (int64_t t = 0; t < T; ++t) {
+template <int NDV, int NQ>
+void values_span(const float* const* w, const float* __restrict vals, int64_t t0, int64_t t1, float* const* acc) {
+  // acc[c] += w[c][t] * vals[t] for t in [t0, t1) in order, NQ queries at once: each value row is loaded once for
+  // all of them and the NQ x NDV accumulators stay in registers over the span
+  vf a[NQ][NDV];
+  for (int c = 0; c < NQ; ++c)
+    for (int i = 0; i < NDV; ++i) std::memcpy(&a[c][i], acc[c] + i * VW, sizeof(vf));
+  for (int64_t t = t0; t < t1; ++t) {
     const float* vt = vals + t * NDV * VW;
-    for (int c = 0; c < NDV; ++c) {
-      vf x;
-      std::memcpy(&x, vt + c * VW, sizeof(vf));
-      a[c] += w[t] * x;
-    }
+    vf x[NDV];
+    for (int i = 0; i < NDV; ++i) std::memcpy(&x[i], vt + i * VW, sizeof(vf));
+    for (int c = 0; c < NQ; ++c)
+      for (int i = 0; i < NDV; ++i) a[c][i] += w[c][t] * x[i];
   }
-  std::memcpy(acc, a, sizeof(a));
+  for (int c = 0; c < NQ; ++c) std::memcpy(acc[c], a[c], sizeof(a[c]));
 }
 
-void weighted_values(const float* w, const float* vals, int64_t T, int64_t D, float* acc) {
-  // the same sums lane by lane whichever branch runs: a lane is one d, summed over t in order
-  switch (D == VW * (D / VW) ? D / VW : 0) {
-    case 1: return weighted_values_v<1>(w, vals, T, acc);
-    case 2: return weighted_values_v<2>(w, vals, T, acc);
-    case 4: return weighted_values_v<4>(w, vals, T, acc);
-    case 8: return weighted_values_v<8>(w, vals, T, acc);
-    case 16: return weighted_values_v<16>(w, vals, T, acc);
-    default:
-      std::fill(acc, acc + D, 0.0f);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t d = 0; d < D; ++d) acc[d] += w[t] * vals[t * D + d];
+template <int NDV>
+void weighted_values_v(const float* const* w, const int64_t* T, int nq, const float* __restrict vals, int64_t t0,
+                       int64_t t1, float* const* acc) {
+  // acc[c][D = NDV * VW] += w[c][t] * vals[t] for t in [t0, min(t1, T[c])) in order, for nq <= QG queries (T
+  // non-decreasing): spans where queries first..nq-1 all still read keys; over consecutive ranges the sums are
+  // those of one pass
+  int64_t lo = t0;
+  for (int first = 0; first < nq; ++first) {
+    const int64_t hi = std::min(t1, T[first]);
+    if (hi <= lo) continue;
+    switch (nq - first) {
+      case 1: values_span<NDV, 1>(w + first, vals, lo, hi, acc + first); break;
+      case 2: values_span<NDV, 2>(w + first, vals, lo, hi, acc + first); break;
+      case 3: values_span<NDV, 3>(w + first, vals, lo, hi, acc + first); break;
+      default: values_span<NDV, 4>(w + first, vals, lo, hi, acc + first); break;
+    }
+    lo = hi;
   }
 }
+
+void weighted_values(const float* const* w, const int64_t* T, int nq, const float* vals, int64_t D, int64_t t0,
+                     int64_t t1, float* const* acc) {
+  // the same sums lane by lane whichever branch runs: a lane is one d, summed over t in order
+  switch (D == VW * (D / VW) ? D / VW : 0) {
+    case 1: return weighted_values_v<1>(w, T, nq, vals, t0, t1, acc);
+    case 2: return weighted_values_v<2>(w, T, nq, vals, t0, t1, acc);
+    case 4: return weighted_values_v<4>(w, T, nq, vals, t0, t1, acc);
+    case 8: return weighted_values_v<8>(w, T, nq, vals, t0, t1, acc);
+    default:
+      for (int c = 0; c < nq; ++c)
+        for (int64_t t = t0; t < std::min(t1, T[c]); ++t)
+          for (int64_t d = 0; d < D; ++d) acc[c][d] += w[c][t] * vals[t * D + d];
+  }
+}
+
 
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& starts, double scale) {
   // q [B, S, Hq, D] float32 (D contiguous); k, v [B, Hkv, L, D] contiguous caches; starts [B] int64.
-  // Returns [B, S, Hq, D]. One work item per (row, kv head): its S x Hq / Hkv queries share each key block.
+  // Returns [B, S, Hq, D]. One work item per (row, kv head), its S x Hq / Hkv queries one after another.
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.stride(3) == 1, "q must be [B, S, Hq, D] float32");
   TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() &&
                   k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -564,7 +609,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(sp[b] >= 0 && sp[b] + S <= L, "attend: row ", b, " reads past the cache (start ", sp[b], ", ", S,
                 " new, ", L, " cached)");
-  const int64_t G = Hq / Hkv, Qn = S * G;  // queries per work item, ordered (j, h)
+  const int64_t G = Hq / Hkv;  // q heads per kv head
   auto out = torch::empty({B, S, Hq, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -573,44 +618,68 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
   const int64_t sb = q.stride(0), ss = q.stride(1), sh = q.stride(2);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p, acc(D);
+    std::vector<float> p, acc;
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u / Hkv, g = u % Hkv, start = sp[b], Tall = start + S;
+      const int64_t b = u / Hkv, g = u % Hkv, start = sp[b], Qn = S * G;
       const float* keys = kp + (b * Hkv + g) * L * D;
       const float* vals = vp + (b * Hkv + g) * L * D;
-      const int64_t Tpad = (Tall + VW - 1) / VW * VW;  // rows padded to whole vectors
-      p.assign(Qn * Tpad, 0.0f);  // scores, then weights: query (j, h) at row j * G + h
-      for (int64_t t0 = 0; t0 < Tall; t0 += VW) {
-        const int64_t n = std::min<int64_t>(VW, Tall - t0);
-        for (int64_t qi = std::max<int64_t>(0, t0 - start) * G; qi < Qn; ++qi) {  // the queries that see key t0
-          const int64_t j = qi / G, h = qi % G;
-          key_scores(qp + b * sb + j * ss + (g * G + h) * sh, keys + t0 * D, n, D, sc, p.data() + qi * Tpad + t0);
+      const int64_t stride = (start + S + VW - 1) / VW * VW;  // a query's scores, then weights, in whole vectors
+      p.resize(QG * stride);
+      acc.resize(QG * D);
+      for (int64_t q0 = 0; q0 < Qn; q0 += QG) {  // queries (j, h) in order, QG at a time; query j reads keys 0..start + j
+        const int nq = static_cast<int>(std::min<int64_t>(QG, Qn - q0));
+        const float* qv[QG];
+        float *ph[QG], *oc[QG], *dst[QG];
+        int64_t T[QG];
+        for (int c = 0; c < nq; ++c) {
+          const int64_t j = (q0 + c) / G, h = (q0 + c) % G;
+          qv[c] = qp + b * sb + j * ss + (g * G + h) * sh;
+          ph[c] = p.data() + c * stride;
+          oc[c] = acc.data() + c * D;
+          T[c] = start + j + 1;
+        }
+        for (int64_t t0 = 0; t0 < T[nq - 1]; t0 += VW) {  // scores: each key block loaded once for the group
+          for (int c = 0; c < nq; ++c) dst[c] = ph[c] + t0;
+          key_scores(qv, nq, keys + t0 * D, std::min<int64_t>(VW, T[nq - 1] - t0), D, sc, dst);
+        }
+        float total[QG];
+        for (int c = 0; c < nq; ++c) {
+          float* w = ph[c];
+          const int64_t Tc = T[c], Tpad = (Tc + VW - 1) / VW * VW;
+          std::fill(w + Tc, w + Tpad, w[0]);  // the last vector's lanes past T: a score of this query's
+          vf mv;  // the max (exact in any order) VW lanes at a time
+          std::memcpy(&mv, w, sizeof(vf));
+          for (int64_t t = VW; t < Tpad; t += VW) {
+            vf x;
+            std::memcpy(&x, w + t, sizeof(vf));
+            mv = x > mv ? x : mv;
+          }
+          float m = mv[0];
+          for (int l = 1; l < VW; ++l) m = std::max(m, mv[l]);
+          std::fill(w + Tc, w + Tpad, m);  // then finite past T, and weighted 0 below
+          // weights VW at a time, lanes past T set to 0; the sum kept per lane (lane = t mod VW) and the lanes
+          // added in a fixed order: the same bits for the same T
+          vf total_v = {};
+          for (int64_t t = 0; t < Tc; t += VW) {
+            vf x;
+            std::memcpy(&x, w + t, sizeof(vf));
+            vf e = exp_nonpositive(x - m);
+            for (int64_t l = Tc - t; l < VW; ++l) e[l] = 0.0f;
+            std::memcpy(w + t, &e, sizeof(vf));
+            total_v += e;
+          }
+          total[c] = 0.0f;
+          for (int l = 0; l < VW; ++l) total[c] += total_v[l];
+          std::fill(oc[c], oc[c] + D, 0.0f);
+        }
+        weighted_values(ph, T, nq, vals, D, 0, T[nq - 1], oc);  // each value row loaded once for the group
+        for (int c = 0; c < nq; ++c) {
+          const int64_t j = (q0 + c) / G, h = (q0 + c) % G;
+          float* o = op + ((b * S + j) * Hq + g * G + h) * D;
+          const float inv = 1.0f / total[c];
+          for (int64_t d = 0; d < D; ++d) o[d] = oc[c][d] * inv;
         }
       }
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t h = 0; h < G; ++h) {
-          const int64_t T = start + j + 1;
-          float* ph = p.data() + (j * G + h) * Tpad;
-          float m = ph[0];
-          for (int64_t t = 1; t < T; ++t) m = std::max(m, ph[t]);
-          // weights VW at a time, lanes past T set to 0; the sum kept per lane (lane =
-          // t mod VW) and the lanes added in a fixed order: the same bits for the same T
-          vf total_v = {};
-          for (int64_t t = 0; t < T; t += VW) {
-            vf x;
-            std::memcpy(&x, ph + t, sizeof(vf));
-            vf w = exp_nonpositive(x - m);
-            for (int64_t l = T - t; l < VW; ++l) w[l] = 0.0f;
-            std::memcpy(ph + t, &w, sizeof(vf));
-            total_v += w;
-          }
-          float total = 0.0f;
-          for (int l = 0; l < VW; ++l) total += total_v[l];
-          float* o = op + ((b * S + j) * Hq + g * G + h) * D;
-          weighted_values(ph, vals, T, D, acc.data());
-          const float inv = 1.0f / total;
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
-        }
     }
   });
   return out;

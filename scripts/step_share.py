@@ -1,0 +1,99 @@
+"""What share of a decode step (and of a k-token verify) is not the weights' matrix products.
+
+For k new tokens after a cached context, interleaved in one process: the whole forward (`logits="all"`, as
+decode and verify run it), every packed linear of it alone on k rows (q/k/v, o, gate/up, SiLU-mul down per
+layer, and the LM head), and the attention kernel alone over the same cache (one call per layer). The rest
+of the forward (norms, RoPE, cache writes, residuals, the embedding, dispatch) is the forward minus the two.
+Medians in ms.
+
+    taskset -c 0 python scripts/step_share.py --dtype auto --threads 1 --context 256 --ks 1,2,5,9
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from dominospec.devices import cpu_model
+from dominospec.targets import Target
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, int8 or auto")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--ks", default="1,2,5,9", help="new tokens per forward")
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = Target.load(args.target, device="cpu", dtype=args.dtype)
+    native = target.native
+    if native is None or native.lm_head.kernel is None:
+        raise SystemExit("this needs the native backend with the small-row kernel built")
+    blocks = native.blocks
+    linears = [native.lm_head] + [getattr(b, n) for b in blocks for n in ("qkv", "o", "gate_up", "down")]
+    module = native.lm_head.kernel.module
+    cfg = native.cfg
+    gen = torch.Generator().manual_seed(0)
+    cache = native.new_cache(1, args.context + 64)
+    native(torch.randint(0, target.vocab_size, (1, args.context), generator=gen), cache, logits="none")
+    print(f"{cpu_model()}, {args.threads} thread(s), {target.name} {target.run_precision}, context {args.context}")
+    print("| k | forward ms | linears ms | attention ms | rest ms | not matmul | linears GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    weight_bytes = sum(lin.kernel.nbytes for lin in linears)
+    with torch.inference_mode():
+        for k in [int(x) for x in args.ks.split(",")]:
+            tokens = torch.randint(0, target.vocab_size, (1, k), generator=gen)
+            inputs = {}
+            for lin in linears:  # down reads gate_up's [k, 2I] through its fused SiLU-mul
+                width = lin.kernel.panels.shape[1] * (2 if lin in [b.down for b in blocks] else 1)
+                inputs.setdefault(width, torch.randn(k, width, generator=gen))
+
+            def run_linears():
+                for b in blocks:
+                    b.qkv.kernel(inputs[b.qkv.kernel.panels.shape[1]])
+                    b.o.kernel(inputs[b.o.kernel.panels.shape[1]])
+                    b.gate_up.kernel(inputs[b.gate_up.kernel.panels.shape[1]])
+                    b.down.kernel.after_silu_mul(inputs[2 * b.down.kernel.panels.shape[1]])
+                native.lm_head.kernel(inputs[native.lm_head.kernel.panels.shape[1]])
+
+            q = torch.randn(1, k, cfg.num_heads, cfg.head_dim, generator=gen)
+            starts = torch.tensor([args.context])
+            scale = blocks[0].scale
+
+            def run_attention():
+                for i in range(cfg.num_layers):
+                    module.attend(q, cache.k[i], cache.v[i], starts, scale)
+
+            def run_forward():
+                native(tokens, cache, logits="all")
+                cache.crop(args.context)
+
+            parts = {"forward": run_forward, "linears": run_linears, "attention": run_attention}
+            times = {p: [] for p in parts}
+            for r in range(args.repeats + 3):  # 3 uncounted warm-up rounds
+                for name, fn in parts.items():
+                    ms = timed(fn)
+                    if r >= 3:
+                        times[name].append(ms)
+            f, lin, att = (statistics.median(times[p]) for p in parts)
+            rest = f - lin - att
+            print(
+                f"| {k} | {f:.2f} | {lin:.2f} | {att:.2f} | {rest:.2f} | {(f - lin) / f:.0%} | "
+                f"{weight_bytes / lin / 1e6:.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
