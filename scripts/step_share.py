@@ -12,6 +12,7 @@ Medians in ms.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -25,6 +26,28 @@ def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
+
+
+def run_linears(native, inputs: dict) -> None:
+    """Every packed linear of one forward on the rows of `inputs` (by input width)."""
+    for b in native.blocks:
+        b.qkv.kernel(inputs[b.qkv.kernel.panels.shape[1]])
+        b.o.kernel(inputs[b.o.kernel.panels.shape[1]])
+        b.gate_up.kernel(inputs[b.gate_up.kernel.panels.shape[1]])
+        b.down.kernel.after_silu_mul(inputs[2 * b.down.kernel.panels.shape[1]])
+    native.lm_head.kernel(inputs[native.lm_head.kernel.panels.shape[1]])
+
+
+def run_attention(native, cache, q: torch.Tensor, starts: torch.Tensor) -> None:
+    """The attention kernel once per layer over the cache."""
+    module, scale = native.lm_head.kernel.module, native.blocks[0].scale
+    for i in range(native.cfg.num_layers):
+        module.attend(q, cache.k[i], cache.v[i], starts, scale)
+
+
+def run_forward(native, tokens: torch.Tensor, cache, context: int) -> None:
+    native(tokens, cache, logits="all")
+    cache.crop(context)
 
 
 def main() -> None:
@@ -43,7 +66,6 @@ def main() -> None:
         raise SystemExit("this needs the native backend with the small-row kernel built")
     blocks = native.blocks
     linears = [native.lm_head] + [getattr(b, n) for b in blocks for n in ("qkv", "o", "gate_up", "down")]
-    module = native.lm_head.kernel.module
     cfg = native.cfg
     gen = torch.Generator().manual_seed(0)
     cache = native.new_cache(1, args.context + 64)
@@ -60,27 +82,13 @@ def main() -> None:
                 width = lin.kernel.panels.shape[1] * (2 if lin in [b.down for b in blocks] else 1)
                 inputs.setdefault(width, torch.randn(k, width, generator=gen))
 
-            def run_linears():
-                for b in blocks:
-                    b.qkv.kernel(inputs[b.qkv.kernel.panels.shape[1]])
-                    b.o.kernel(inputs[b.o.kernel.panels.shape[1]])
-                    b.gate_up.kernel(inputs[b.gate_up.kernel.panels.shape[1]])
-                    b.down.kernel.after_silu_mul(inputs[2 * b.down.kernel.panels.shape[1]])
-                native.lm_head.kernel(inputs[native.lm_head.kernel.panels.shape[1]])
-
             q = torch.randn(1, k, cfg.num_heads, cfg.head_dim, generator=gen)
             starts = torch.tensor([args.context])
-            scale = blocks[0].scale
-
-            def run_attention():
-                for i in range(cfg.num_layers):
-                    module.attend(q, cache.k[i], cache.v[i], starts, scale)
-
-            def run_forward():
-                native(tokens, cache, logits="all")
-                cache.crop(args.context)
-
-            parts = {"forward": run_forward, "linears": run_linears, "attention": run_attention}
+            parts = {
+                "forward": functools.partial(run_forward, native, tokens, cache, args.context),
+                "linears": functools.partial(run_linears, native, inputs),
+                "attention": functools.partial(run_attention, native, cache, q, starts),
+            }
             times = {p: [] for p in parts}
             for r in range(args.repeats + 3):  # 3 uncounted warm-up rounds
                 for name, fn in parts.items():
