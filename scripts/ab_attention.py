@@ -32,10 +32,12 @@ def forward_ms(native, cache, context: int, tokens: torch.Tensor) -> tuple[float
     return ms, logits
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def forward_setup(doc: str, dtype: str):
+    """The options of a forward timing (this script's and step_share.py's): (args, target, a cache holding a random
+    context of --context tokens, the generator that drew it), the machine's line printed."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, int8 or auto")
+    ap.add_argument("--dtype", default=dtype, help="float32, bfloat16, int8 or auto")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--ks", default="1,2,5,9", help="new tokens per forward")
@@ -43,13 +45,18 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = Target.load(args.target, device="cpu", dtype=args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    cache = target.native.new_cache(1, args.context + 64)
+    target.native(torch.randint(0, target.vocab_size, (1, args.context), generator=gen), cache, logits="none")
+    print(f"{cpu_model()}, {args.threads} thread(s), {target.name} {target.run_precision}, context {args.context}")
+    return args, target, cache, gen
+
+
+def main() -> None:
+    args, target, cache, gen = forward_setup(__doc__, "float32")
     native = target.native
     limit = native_module.PER_QUERY_MAX
     paths = {"fused": (limit, "on"), "loop": (limit, "off"), "sdpa": (0, "off")}  # (PER_QUERY_MAX, switch)
-    gen = torch.Generator().manual_seed(0)
-    cache = native.new_cache(1, args.context + 64)
-    native(torch.randint(0, target.vocab_size, (1, args.context), generator=gen), cache, logits="none")
-    print(f"{cpu_model()}, {args.threads} thread(s), {target.name} {target.run_precision}, context {args.context}")
     print("| k | fused ms | loop ms | SDPA ms | fused / loop | fused / SDPA | max logit difference |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     try:

@@ -11,15 +11,12 @@ Medians in ms.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import time
 
 import torch
-
-from dominospec.devices import cpu_model
-from dominospec.targets import Target
+from ab_attention import forward_setup  # scripts/ is on the path when a script runs
 
 
 def timed(fn) -> float:
@@ -51,26 +48,13 @@ def run_forward(native, tokens: torch.Tensor, cache, context: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--dtype", default="auto", help="float32, bfloat16, int8 or auto")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--ks", default="1,2,5,9", help="new tokens per forward")
-    ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    target = Target.load(args.target, device="cpu", dtype=args.dtype)
+    args, target, cache, gen = forward_setup(__doc__, "auto")
     native = target.native
-    if native is None or native.lm_head.kernel is None:
-        raise SystemExit("this needs the native backend with the small-row kernel built")
+    if native.lm_head.kernel is None:
+        raise SystemExit("this needs the small-row kernel built")
     blocks = native.blocks
     linears = [native.lm_head] + [getattr(b, n) for b in blocks for n in ("qkv", "o", "gate_up", "down")]
     cfg = native.cfg
-    gen = torch.Generator().manual_seed(0)
-    cache = native.new_cache(1, args.context + 64)
-    native(torch.randint(0, target.vocab_size, (1, args.context), generator=gen), cache, logits="none")
-    print(f"{cpu_model()}, {args.threads} thread(s), {target.name} {target.run_precision}, context {args.context}")
     print("| k | forward ms | linears ms | attention ms | rest ms | not matmul | linears GB/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     weight_bytes = sum(lin.kernel.nbytes for lin in linears)
