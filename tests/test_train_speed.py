@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -104,3 +105,19 @@ def test_checkpoint_from_before_the_packed_step_resumes_only_as_it_ran(qwen3_tar
         fresh.load_checkpoint()
     again = Trainer(qwen3_target, tiny_drafter(qwen3_target).float(), samples, tmp_path, old, progress=False)
     assert again.load_checkpoint() and again.step == 1
+
+
+def test_the_packed_cpu_step_gives_free_heap_back_every_few_steps(tmp_path, qwen3_target, monkeypatch):
+    """Protects: with every block kept on the heap (the packed CPU step), the trainer hands the heap's free pages
+    back every TRIM_EVERY steps (a run over the full data set grew to 16 GB resident without it)."""
+    trainer_module = trainer_mod
+    calls = []
+    monkeypatch.setattr(trainer_module, "TRIM_EVERY", 2)
+    monkeypatch.setattr(trainer_module, "return_free_heap", lambda: calls.append(1) or True)
+    samples = synthetic_samples(qwen3_target, n=4, answer_len=16)
+    d = tiny_drafter(qwen3_target, head="domino", block_size=4, randomize_head=False).float()
+    cfg = trainer_module.TrainConfig(max_steps=5, batch_size=2, anchors=4, save_every=1000)
+    t = trainer_module.Trainer(qwen3_target, d, samples, tmp_path, cfg, progress=False)
+    assert t._on_heap == (sys.platform.startswith("linux"))
+    t.fit()
+    assert len(calls) == (2 if t._on_heap else 0)  # after steps 2 and 4
