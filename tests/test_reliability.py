@@ -534,6 +534,7 @@ def test_a_second_training_run_into_the_same_directory_is_refused(qwen3_target, 
             "--block-size must be at least 1, got 0",
         ),
         (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--draft-vocab", "-5"], "--draft-vocab must be at least 0"),
+        (["train", "--data", "{tmp}", "--out", "{tmp}/t", "--memory-gb", "-1"], "--memory-gb must be a finite number"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag_before_any_model_loads(argv, message, tmp_path, capsys):

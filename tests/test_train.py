@@ -209,7 +209,7 @@ def test_train_flags_default_to_the_library_dataclasses():
 
     args = vars(build_parser().parse_args(["train", "--data", "d", "--out", "o"]))
     pairs = [(TrainConfig, f.name, f.name) for f in dataclasses.fields(TrainConfig) if f.name in args]
-    pairs += [(TrainJob, "val_fraction", "val_fraction"), (TrainJob, "draft_vocab", "draft_vocab")]
+    pairs += [(TrainJob, name, name) for name in ("val_fraction", "draft_vocab", "memory_gb")]
     pairs += [(DrafterConfig, "num_layers", "layers")]
     pairs += [(DrafterConfig, name, name) for name in ("block_size", "gru_hidden_size", "rank")]
     assert args["head"] is None  # chosen by --serve-with (markov for vllm), else DrafterConfig's default
@@ -225,6 +225,8 @@ def test_train_job_refuses_contradictory_starts_before_any_work(tmp_path):
         TrainJob(data=tmp_path, out=tmp_path / "o", init="somewhere", init_from_layer=3)
     with pytest.raises(DominoError, match="--val-fraction must be in"):
         TrainJob(data=tmp_path, out=tmp_path / "o", val_fraction=1.0)
+    with pytest.raises(DominoError, match="--memory-gb must be a finite number >= 0, got -1"):
+        TrainJob(data=tmp_path, out=tmp_path / "o", memory_gb=-1)
     assert not (tmp_path / "o").exists()
 
 

@@ -121,3 +121,15 @@ def test_the_packed_cpu_step_gives_free_heap_back_every_few_steps(tmp_path, qwen
     assert t._on_heap == (sys.platform.startswith("linux"))
     t.fit()
     assert len(calls) == (2 if t._on_heap else 0)  # after steps 2 and 4
+
+
+def test_the_feature_memory_budget_bounds_what_the_packed_step_keeps(tmp_path, qwen3_target):
+    """Protects: train --memory-gb: the packed step keeps samples' fp16 features in memory only within the budget
+    (0 keeps none; they are read or recomputed each epoch), and the default keeps them."""
+    samples = synthetic_samples(qwen3_target, n=4, answer_len=16)
+    for budget, kept in ((0.0, 0), (4.0, 4)):
+        d = tiny_drafter(qwen3_target, head="domino", block_size=4, randomize_head=False).float()
+        cfg = TrainConfig(max_steps=1, batch_size=4, anchors=4, save_every=1000)
+        t = Trainer(qwen3_target, d, samples, tmp_path / str(budget), cfg, progress=False, memory_gb=budget)
+        t.train_step()
+        assert len(t._in_memory) == kept

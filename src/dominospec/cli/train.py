@@ -70,6 +70,7 @@ def cmd_train(args) -> int:
         resume=args.resume,
         save_dtype=SAVE_DTYPES[args.save_dtype],
         allow_other_target=args.allow_other_target,
+        memory_gb=args.memory_gb,
     )
     job.check_outputs()
     check_data_dir(args.data, "--data")  # before the model loads
@@ -181,6 +182,13 @@ def add_parser(sub) -> None:
         default=default(TrainConfig, "entropy_keep"),
         help="train on this fraction of the supervised slots of each micro-batch, those where the target is "
         "least certain (highest entropy), weighted 1/F (default %(default)s: all)",
+    )
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        default=default(TrainJob, "memory_gb"),
+        help="keep at most this many GB of the samples' target features (fp16) in memory between epochs; the "
+        "rest is read from --feature-cache (or recomputed) each epoch; 0: none (default %(default)s)",
     )
     p.add_argument(
         "--replay",

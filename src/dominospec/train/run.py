@@ -47,6 +47,7 @@ class TrainJob:
     resume: bool = False  # continue from the checkpoint in `out`
     save_dtype: torch.dtype | None = None  # of the exported weights (None: float32)
     allow_other_target: bool = False  # accept data written by another model with the same tokenizer
+    memory_gb: float = 4.0  # the packed step keeps at most this much of the samples' fp16 features in memory
 
     def __post_init__(self):
         if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
@@ -57,6 +58,8 @@ class TrainJob:
             raise DominoError(f"--train-labels must be one of {', '.join(TRAIN_LABELS)}, got {self.train_labels!r}")
         if isinstance(self.train_samples, tuple) and self.train_labels != "all":
             raise DominoError("--train-samples N,M counts on- and off-policy samples: it needs --train-labels all")
+        if not (isinstance(self.memory_gb, (int, float)) and 0 <= self.memory_gb < float("inf")):
+            raise DominoError(f"--memory-gb must be a finite number >= 0, got {self.memory_gb}")
         if self.train_samples is not None and min(_as_tuple(self.train_samples)) < 1:
             raise DominoError(f"--train-samples must be at least 1, got {self.train_samples}")
         if self.init and self.init_from_layer is not None:
@@ -151,6 +154,7 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
         progress=progress,
         save_dtype=job.save_dtype,
         validator=validator,
+        memory_gb=job.memory_gb,
     )
     if cache and dist.main:
         tokens = sum(len(s["input_ids"]) for s in samples)
