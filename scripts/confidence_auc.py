@@ -66,7 +66,6 @@ def collect(target, drafter, prompts: dict, max_new_tokens: int) -> list[tuple]:
     """(head confidence logits [b] or None, top probabilities [b], verified, accepted) per cycle, in order."""
     cycles = []
     proposer = DrafterProposer(drafter, drafter.config.block_size)
-    proposer.top = True  # the draft's top probability beside the head's confidence, on the same cycles
 
     def on_cycle(proposal, verified, accepted):
         conf = proposal.confidence_logits

@@ -62,9 +62,6 @@ class DrafterProposer:
     def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True):
         """rows: a per-row draft cache (drafter.new_row_cache) for many sequences; None at batch 1."""
         self.drafter, self.block_size, self.rows, self.use_head = drafter, block_size, rows, use_head
-        # the draft's own top probability: the cost policy's estimate without a confidence head, and beside one
-        # (schedule.ConfidenceChoice reads whichever has predicted the outcomes better)
-        self.top = True
 
     @property
     def bytes_per_row(self) -> int:
@@ -107,7 +104,7 @@ class DrafterProposer:
             anchor = torch.tensor([s.anchor], device=dev)
             # this module's draft_block, looked up per call (tests wrap it)
             out[i] = draft_block(
-                self.drafter, s.draft_cache, anchor, rooms[i], s.sampling, s.gen, self.use_head, self.top
+                self.drafter, s.draft_cache, anchor, rooms[i], s.sampling, s.gen, self.use_head, top=True
             )
             return out
         anchors = torch.tensor([seqs[i].anchor for i in live], device=dev)
@@ -120,7 +117,7 @@ class DrafterProposer:
             [seqs[i].sampling for i in live],
             [seqs[i].gen for i in live],
             self.use_head,
-            top=self.top,
+            top=True,  # the draft's top probability, always: the cost policy's estimate (schedule.ConfidenceChoice)
         )
         for i, p in zip(live, props):
             out[i] = p

@@ -557,14 +557,13 @@ void values_span(const float* const* w, const float* __restrict vals, int64_t t0
 }
 
 template <int NDV>
-void weighted_values_v(const float* const* w, const int64_t* T, int nq, const float* __restrict vals, int64_t t0,
-                       int64_t t1, float* const* acc) {
-  // acc[c][D = NDV * VW] += w[c][t] * vals[t] for t in [t0, min(t1, T[c])) in order, for nq <= QG queries (T
-  // non-decreasing): spans where queries first..nq-1 all still read keys; over consecutive ranges the sums are
-  // those of one pass
-  int64_t lo = t0;
+void weighted_values_v(const float* const* w, const int64_t* T, int nq, const float* __restrict vals,
+                       float* const* acc) {
+  // acc[c][D = NDV * VW] += w[c][t] * vals[t] for t < T[c] in order, for nq <= QG queries (T non-decreasing), in
+  // spans where queries first..nq-1 all still read keys; across spans the sums continue as in one pass
+  int64_t lo = 0;
   for (int first = 0; first < nq; ++first) {
-    const int64_t hi = std::min(t1, T[first]);
+    const int64_t hi = T[first];
     if (hi <= lo) continue;
     switch (nq - first) {
       case 1: values_span<NDV, 1>(w + first, vals, lo, hi, acc + first); break;
@@ -576,21 +575,20 @@ void weighted_values_v(const float* const* w, const int64_t* T, int nq, const fl
   }
 }
 
-void weighted_values(const float* const* w, const int64_t* T, int nq, const float* vals, int64_t D, int64_t t0,
-                     int64_t t1, float* const* acc) {
+void weighted_values(const float* const* w, const int64_t* T, int nq, const float* vals, int64_t D,
+                     float* const* acc) {
   // the same sums lane by lane whichever branch runs: a lane is one d, summed over t in order
   switch (D == VW * (D / VW) ? D / VW : 0) {
-    case 1: return weighted_values_v<1>(w, T, nq, vals, t0, t1, acc);
-    case 2: return weighted_values_v<2>(w, T, nq, vals, t0, t1, acc);
-    case 4: return weighted_values_v<4>(w, T, nq, vals, t0, t1, acc);
-    case 8: return weighted_values_v<8>(w, T, nq, vals, t0, t1, acc);
+    case 1: return weighted_values_v<1>(w, T, nq, vals, acc);
+    case 2: return weighted_values_v<2>(w, T, nq, vals, acc);
+    case 4: return weighted_values_v<4>(w, T, nq, vals, acc);
+    case 8: return weighted_values_v<8>(w, T, nq, vals, acc);
     default:
       for (int c = 0; c < nq; ++c)
-        for (int64_t t = t0; t < std::min(t1, T[c]); ++t)
+        for (int64_t t = 0; t < T[c]; ++t)
           for (int64_t d = 0; d < D; ++d) acc[c][d] += w[c][t] * vals[t * D + d];
   }
 }
-
 
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& starts, double scale) {
@@ -672,7 +670,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch
           for (int l = 0; l < VW; ++l) total[c] += total_v[l];
           std::fill(oc[c], oc[c] + D, 0.0f);
         }
-        weighted_values(ph, T, nq, vals, D, 0, T[nq - 1], oc);  // each value row loaded once for the group
+        weighted_values(ph, T, nq, vals, D, oc);  // each value row loaded once for the group
         for (int c = 0; c < nq; ++c) {
           const int64_t j = (q0 + c) / G, h = (q0 + c) % G;
           float* o = op + ((b * S + j) * Hq + g * G + h) * D;

@@ -172,24 +172,32 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
+def _glibc():
+    """glibc through ctypes, or None (not Linux, or another C library)."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 def keep_large_blocks_on_the_heap() -> bool:
     """Tell glibc's malloc to serve every block from the heap and keep freed memory (Linux only).
 
     By default a block over 32 MB (a step's [N*B, 8192] logits) is mmap-ed fresh and returned on
     free, so each use pays a page fault per 4 KB: measured 5x on the loss ops of a packed step.
-    Process-wide and harmless (memory stays reserved for the next step); False where not glibc.
+    Process-wide; the holes it leaves go back with `return_free_heap`. False where not glibc.
     """
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**30))
-    except (OSError, AttributeError):
-        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**30))
 
 
 def return_free_heap() -> bool:
@@ -200,17 +208,11 @@ def return_free_heap() -> bool:
     needs are faulted in again once per TRIM_EVERY steps. (A packed run over the full data set reached 16.6 GB
     resident at step ~730 without it; with it, peaks still rose to 10.7 GB by step 400 while the in-memory
     features filled their budget: not yet shown to plateau.)"""
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
+    libc.malloc_trim(0)
+    return True
 
 
 TRIM_EVERY = 25  # steps between heap trims of the packed CPU step
@@ -461,6 +463,8 @@ class Trainer:
                     a = replay_anchors(mask, cfg.anchors, self.missed[i], cfg.replay, rng)
                 else:
                     a = dense_or_sampled_anchors(mask, cfg.anchors, cfg.seed, epoch, i)
+                if cfg.replay:  # this step's blocks record the sample's misses afresh (_record_misses)
+                    self.missed[i] = []
                 if a.numel():
                     tokens, labels = make_blocks(torch.tensor(s["input_ids"]), mask, a, self.block)
                     parts = (t.to(self.device).split(PACKED_BLOCKS) for t in (a, tokens, labels))
@@ -524,14 +528,13 @@ class Trainer:
             return {k: float(v.detach()) for k, v in terms.items()}, (g * n, (s or 0.0) * n)
 
     def _record_misses(self, batch: list, final: torch.Tensor, labels: torch.Tensor) -> None:
-        """Per sample of the micro-batch, the positions where its blocks' first drafts were rejected (the rows of
-        final / labels follow the batch's pieces in order; a sample's pieces of this step replace its record)."""
-        row, seen = 0, set()
+        """Add to each sample's record (emptied when its step began) the positions where this micro-batch's blocks
+        of it had their first drafts rejected; the rows of final / labels follow the batch's pieces in order, and
+        a sample's pieces may fall in several micro-batches."""
+        row = 0
         for i, (anchors, _, _) in batch:
             n = anchors.shape[0]
-            misses = first_misses(final[row : row + n], labels[row : row + n], anchors.to(final.device))
-            self.missed[i] = (self.missed.get(i, []) if i in seen else []) + misses
-            seen.add(i)
+            self.missed[i] += first_misses(final[row : row + n], labels[row : row + n], anchors.to(final.device))
             row += n
 
     # ----- one sequence's loss (the per-sequence step, --no-packed) -----
