@@ -85,6 +85,7 @@ def tiny_drafter(
     mask_token_id=None,
     randomize_head: bool = True,
     draft_vocab: int = 0,
+    path_candidates: int = 16,
 ) -> Drafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig.for_target(
@@ -98,6 +99,7 @@ def tiny_drafter(
         confidence_head=confidence,
         mask_token_id=mask_token_id,
         draft_vocab_size=draft_vocab,
+        path_candidates=path_candidates,
     )
     d = Drafter(cfg)
     if draft_vocab:  # a scattered subset, so index and id differ

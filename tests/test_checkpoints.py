@@ -12,7 +12,7 @@ from dominospec.targets import default_layer_ids
 
 @pytest.mark.parametrize(
     "head,confidence,mask_id",
-    [("domino", True, None), ("markov", False, 5), ("rnn", False, None), ("none", True, None)],
+    [("domino", True, None), ("markov", False, 5), ("rnn", False, None), ("none", True, None), ("path", True, None)],
 )
 def test_save_load_round_trip(tmp_path, qwen3_target, head, confidence, mask_id):
     drafter = tiny_drafter(qwen3_target, head=head, confidence=confidence, mask_token_id=mask_id)

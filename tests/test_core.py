@@ -7,7 +7,7 @@ from conftest import BACKENDS, PROMPTS, assert_matches_target_distribution, soft
 from dominospec import SamplingConfig, generate_autoregressive, generate_speculative
 from dominospec.sampling import accept_rejection
 
-HEADS = ["none", "domino", "markov", "rnn"]
+HEADS = ["none", "domino", "markov", "rnn", "path"]
 
 
 class OracleDrafter(torch.nn.Module):
@@ -134,23 +134,24 @@ def test_rejection_step_preserves_first_token_distribution():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sampling,draft_vocab",
+    "sampling,draft_vocab,head",
     [
-        (SamplingConfig(1.0), 0),
-        (SamplingConfig(0.8, top_k=4), 0),
-        (SamplingConfig(1.0, top_p=0.7), 0),
-        (SamplingConfig(1.0), 5),
+        (SamplingConfig(1.0), 0, "domino"),
+        (SamplingConfig(0.8, top_k=4), 0, "domino"),
+        (SamplingConfig(1.0, top_p=0.7), 0, "domino"),
+        (SamplingConfig(1.0), 5, "domino"),
+        (SamplingConfig(1.0), 0, "path"),  # drafts re-ranked among 3 of the 8 tokens per slot
     ],
-    ids=["T1", "topk", "topp", "T1-subvocab"],
+    ids=["T1", "topk", "topp", "T1-subvocab", "T1-path"],
 )
-def test_rejection_sampling_preserves_target_distribution(sampling, draft_vocab):
+def test_rejection_sampling_preserves_target_distribution(sampling, draft_vocab, head):
     """Speculative sampling commits 3-token continuations with exactly the target's probabilities.
 
     Chi-square goodness of fit (fixed seeds) against enumeration (conftest). With a draft vocabulary
     the draft puts zero mass outside it, and the output must not care.
     """
     target = soft_target()
-    drafter = tiny_drafter(target, head="domino", block_size=3, seed=4, draft_vocab=draft_vocab)
+    drafter = tiny_drafter(target, head=head, block_size=3, seed=4, draft_vocab=draft_vocab, path_candidates=3)
     prompt = [1, 2, 3, 4]
 
     def run(seed):
@@ -170,7 +171,7 @@ def test_sampling_distribution_test_detects_a_wrong_acceptance_rule(monkeypatch)
 
     monkeypatch.setattr(dec, "accept_rejection", accept_all)
     with pytest.raises(AssertionError, match="pvalue|cannot produce"):
-        test_rejection_sampling_preserves_target_distribution(SamplingConfig(1.0), 0)
+        test_rejection_sampling_preserves_target_distribution(SamplingConfig(1.0), 0, "domino")
 
 
 # ----- caches -----

@@ -21,7 +21,7 @@ from dominospec.targets.kernels import load_kernels
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="the small-row kernel is not built here")
 
 GREEDY, T1, WARPED = SamplingConfig(), SamplingConfig(1.0), SamplingConfig(0.8, top_k=20, top_p=0.9)
-HEADS = ["domino", "none", "markov", "rnn"]
+HEADS = ["domino", "none", "markov", "rnn", "path"]
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [5, 9, 11, 2, 7, 8, 30, 4, 4, 17, 3, 3], [4, 4, 1]]
 
 

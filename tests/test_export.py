@@ -463,6 +463,8 @@ REFUSALS = [
     ("specforge", dict(head="markov"), {}, "--allow-approx"),
     ("sglang", dict(head="domino"), {"mask_token_id": MASK_ID + 1}, "trained with mask token"),
     ("sglang", dict(head="domino", mask_token_id=None), {"mask_token_id": 64}, "outside the vocabulary"),
+    ("sglang", dict(head="path"), {}, "no serving engine has a path-selector head"),
+    ("vllm", dict(head="path"), {}, "no serving engine has a path-selector head"),
 ]
 
 
@@ -546,6 +548,7 @@ def test_serve_with_chooses_a_drafter_that_exports_exactly(engine, target, tmp_p
         ("sglang", dict(head="domino", mask_token_id=MASK_ID, draft_vocab=100), "full vocabulary"),
         ("sglang", dict(head="domino", mask_token_id=MASK_ID, confidence_head=True), "no confidence head"),
         ("vllm", dict(head="domino", mask_token_id=MASK_ID), "Markov head only"),
+        ("sglang", dict(head="path", mask_token_id=MASK_ID), "no serving engine has a path-selector head"),
     ],
 )
 def test_serve_with_refuses_flags_that_cannot_export_exactly(engine, kw, words):

@@ -191,6 +191,15 @@ def test_pipeline_prepare_train_generate_bench(tmp_path, capsys, smollm):
     assert res["methods"]["ar"]["lossless_mismatches"] == 0
     assert all(m["lossless_mismatches"] == 0 for m in res["methods"].values())
     assert main(["train", "--data", str(data), "--out", str(drafter), "--max-steps", "3"]) == 2  # no silent overwrite
+    # the trained backbone under another head (the heads comparison's start), trained on and lossless
+    path = tmp_path / "path"
+    args = ["train", "--data", str(data), "--out", str(path), "--init", str(drafter), "--head", "path"]
+    assert main([*args, "--path-candidates", "4", "--max-steps", "2", "--batch-size", "2", "--anchors", "4"]) == 0
+    assert "replaced its domino head by an untrained path head" in capsys.readouterr().err
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["head"] == "path" and cfg["path_candidates"] == 4 and cfg["draft_vocab_size"] == 512
+    assert main(["generate", "Add 2 and 2.", "--drafter", str(path), "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == spec["text"]
 
 
 def test_shipped_default_drafter_is_used_and_lossless(capsys, smollm):

@@ -46,7 +46,7 @@ def test_simulated_tau_counts_the_accepted_prefix():
     assert sampled == pytest.approx(4.0)
 
 
-@pytest.mark.parametrize("head", ["domino", "markov", "rnn"])
+@pytest.mark.parametrize("head", ["domino", "markov", "rnn", "path"])
 def test_teacher_forced_head_equals_the_left_to_right_rollout(head, qwen3_target):
     """Training's parallel teacher-forced logits equal inference's step-by-step logits on the same tokens."""
     d = tiny_drafter(qwen3_target, head=head, block_size=5)
@@ -54,17 +54,24 @@ def test_teacher_forced_head_equals_the_left_to_right_rollout(head, qwen3_target
     z = torch.randn(2, 5, qwen3_target.hidden_size, dtype=torch.float64)
     tokens = torch.randint(0, qwen3_target.vocab_size, (2, 5))
     with torch.no_grad():
-        tf = d.head.teacher_forced(z, d.embed(tokens), tokens)
+        base = torch.randn(2, 5, qwen3_target.vocab_size, dtype=torch.float64)
+        tf = d.head.teacher_forced(z, d.embed(tokens), tokens, base)
         for n in range(2):
             state = d.head.init_state(z[n : n + 1])
             for k in range(5):
                 delta, state = d.head.step(
-                    k, z[n, k : k + 1], d.embed(tokens[n, k : k + 1]), tokens[n, k : k + 1], state
+                    k, z[n, k : k + 1], d.embed(tokens[n, k : k + 1]), tokens[n, k : k + 1], state, base[n, k : k + 1]
                 )
                 want = torch.zeros_like(tf[n, k]) if delta is None else delta[0]
                 assert torch.allclose(tf[n, k], want, atol=1e-10), (head, n, k)
-    if head == "domino":
+    if head in ("domino", "path"):
         assert torch.all(tf[:, 0] == 0)  # slot 0 stays uncorrected
+    if head == "path":  # only the top-m base candidates of a slot move, and they do
+        moved = tf[:, 1:] != 0
+        assert moved.sum(-1).max() <= d.head.m and moved.any()
+        top = base[:, 1:].topk(d.head.m, dim=-1).indices
+        assert torch.all(moved.gather(-1, top) | (tf[:, 1:].gather(-1, top) == 0))
+        assert not (moved & ~torch.zeros_like(moved).scatter(-1, top, True)).any()
 
 
 @pytest.mark.slow
@@ -299,3 +306,24 @@ def test_resume_on_a_grown_data_set_trains_on_every_sample_and_survives_another_
         trainer(tmp_path / "b", changed + samples[:1]).load_checkpoint()  # grown, but not from the same start
     with pytest.raises(DominoError, match="the first 10 training samples differ"):
         trainer(tmp_path / "b", changed).load_checkpoint()
+
+
+def test_a_new_head_on_a_trained_backbone_keeps_everything_else(qwen3_target):
+    """`with_head` (train --init DIR --head H): backbone, confidence head and draft vocabulary kept, the new
+    head untrained, so its drafts are the backbone's own until it learns."""
+    d = tiny_drafter(qwen3_target, head="domino", confidence=True, draft_vocab=40).eval()
+    p = d.with_head("path", path_candidates=4)
+    assert p.config.head == "path" and p.config.path_candidates == 4 and p.head.m == 4
+    mine, theirs = d.state_dict(), p.state_dict()
+    for k, v in mine.items():
+        if not k.startswith("head."):
+            assert torch.equal(theirs[k], v), k
+    assert not set(theirs) - set(mine) - {k for k in theirs if k.startswith("head.")}
+    assert torch.all(p.head.w2.weight == 0)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    with torch.no_grad():
+        new = generate_speculative(qwen3_target, p, prompt, 12, eos_ids=[])
+        off = generate_speculative(qwen3_target, d, prompt, 12, eos_ids=[], use_head=False)
+    assert new.tokens == off.tokens and new.accepted == off.accepted
+    with pytest.raises(DominoError, match="head 'nope'"):
+        d.with_head("nope")

@@ -131,6 +131,12 @@ def add_arch_args(p: argparse.ArgumentParser) -> None:
         default=default(DrafterConfig, "rank"),
         help="low-rank correction rank (default %(default)s)",
     )
+    p.add_argument(
+        "--path-candidates",
+        type=int,
+        default=default(DrafterConfig, "path_candidates"),
+        help="--head path: candidates per slot the pair scores choose among (default %(default)s)",
+    )
     p.add_argument("--confidence-head", action="store_true", help="add a DSpark confidence head")
     p.add_argument(
         "--mask-token-id",
@@ -152,7 +158,7 @@ def add_arch_args(p: argparse.ArgumentParser) -> None:
 
 def check_arch_args(args) -> None:
     """The drafter-shape flags, checked before any model is loaded."""
-    require_at_least(args, 1, "layers", "block_size", "intermediate_size", "gru_hidden_size", "rank")
+    require_at_least(args, 1, "layers", "block_size", "intermediate_size", "gru_hidden_size", "rank", "path_candidates")
     require_at_least(args, 0, "mask_token_id")
     if args.serve_with:
         serve_with_arch(args)
@@ -176,6 +182,7 @@ def arch_from_args(args, target) -> dict:
         intermediate_size=args.intermediate_size,
         gru_hidden_size=args.gru_hidden_size,
         rank=args.rank,
+        path_candidates=args.path_candidates,
         confidence_head=args.confidence_head,
         mask_token_id=args.mask_token_id,
     ) | (serve_with_arch(args) if args.serve_with else {})

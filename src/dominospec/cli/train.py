@@ -79,6 +79,13 @@ def cmd_train(args) -> int:
     target = target_from_args(args)
     if not args.init:  # a fresh drafter's shape (--layer-ids also sets the target's feature layers)
         job.arch = arch_from_args(args, target)
+    elif args.head:  # --init DIR --head H: DIR's backbone under a new H head (kept where DIR has H already)
+        job.init_head = {
+            "head": args.head,
+            "rank": args.rank,
+            "gru_hidden_size": args.gru_hidden_size,
+            "path_candidates": args.path_candidates,
+        }
     train_drafter(target, job)
     return 0
 
@@ -111,7 +118,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--out", required=True, help="output directory: the drafter, metrics.jsonl, training.png")
     add_arch_args(p)
-    p.add_argument("--init", help="start from this drafter directory instead of a fresh one")
+    p.add_argument(
+        "--init",
+        help="start from this drafter directory instead of a fresh one; with --head naming another head, its "
+        "backbone under a new untrained head of that kind (what compares heads on one backbone)",
+    )
     p.add_argument(
         "--draft-vocab",
         type=int,

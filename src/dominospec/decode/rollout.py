@@ -92,7 +92,7 @@ def _rollout_library(drafter, z, anchors, samplings, gens, use_head, top):
         prev_emb = drafter.embed(prev)
         if conf is not None:
             confidence.append(conf(z[:, k], prev_emb.to(z.dtype)))  # [R]
-        delta, state = head.step(k, z[:, k], prev_emb, prev, state)
+        delta, state = head.step(k, z[:, k], prev_emb, prev, state, base[:, k])
         logits = base[:, k] if delta is None else base[:, k] + delta  # [R, V']
         if top:
             tops.append(torch.softmax(logits.float(), -1).amax(-1))  # [R]

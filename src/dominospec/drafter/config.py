@@ -38,6 +38,7 @@ class DrafterConfig:
     head: str = "domino"
     gru_hidden_size: int = 256
     rank: int = 64
+    path_candidates: int = 16  # head "path": candidates per slot among which the pair scores choose
     confidence_head: bool = False
     confidence_inputs: str = "z_prev_embed"  # z_prev_embed: [z_k ; embed(x_{a+k})]; z: z_k alone (DSpark's form)
     # bookkeeping
@@ -61,6 +62,7 @@ class DrafterConfig:
             "block_size",
             "gru_hidden_size",
             "rank",
+            "path_candidates",
         ):
             if int(getattr(self, name)) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")

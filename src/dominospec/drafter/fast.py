@@ -261,7 +261,29 @@ class RNNSteps:
         return self.w2(torch.tanh(o)).add_(base_k)
 
 
-STEPS = {"domino": DominoSteps, "markov": MarkovSteps, "rnn": RNNSteps}
+class PathSteps:
+    """The path selector: pair scores of (previous token, each of the slot's top-m base candidates), gated by z_k."""
+
+    needs_embedding = False
+
+    def __init__(self, pack: Packer, head, hidden: int):
+        self.m = head.m
+        self.w1, self.w2 = head.w1.weight.detach(), head.w2.weight.detach()  # code tables: gathered, not streamed
+        self.gate = pack(head.gate.weight)
+
+    def start(self, z):
+        return torch.sigmoid(self.gate(z))  # [R, b, rank]: every slot's gate at once
+
+    def __call__(self, k, prev_emb, prev_id, base_k, gates):
+        if k == 0:  # slot 0 stays pure
+            return base_k
+        cands = base_k.topk(self.m, dim=-1).indices  # [R, m]
+        a = F.embedding(prev_id, self.w1) * gates[:, k]  # [R, rank]
+        pair = (F.embedding(cands, self.w2) * a.unsqueeze(1)).sum(-1)  # [R, m]
+        return torch.zeros_like(base_k).scatter_(-1, cands, pair).add_(base_k)
+
+
+STEPS = {"domino": DominoSteps, "markov": MarkovSteps, "rnn": RNNSteps, "path": PathSteps}
 
 
 class PackedDrafter:

@@ -12,6 +12,8 @@ means adding a class here and a line in HEADS.
           with the base-anchored curriculum (1-λ)·CE(final) + λ·CE(base)
   markov  DSpark's rank-r bigram correction, trained with 0.1·CE + 0.9·L1(p_d, p_t)
   rnn     DSpark's gated recurrent correction, same loss as markov
+  path    a path selector (after DFlash2): among the top-m base candidates of each slot, a low-rank
+          pair score of (previous token, candidate) gated by the context re-ranks; the Domino loss
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ class NoHead(nn.Module):
     def init_state(self, z):
         return None
 
-    def step(self, k, z_k, prev_emb, prev_id, state):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
         return None, state
 
-    def teacher_forced(self, z, prev_emb, prev_ids):
+    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
         return None
 
     def zero_correction(self) -> None:
@@ -85,13 +87,13 @@ class DominoHead(NoHead):
     def init_state(self, z):
         return z.new_zeros(z.shape[0], self.g)
 
-    def step(self, k, z_k, prev_emb, prev_id, state):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
         state = self.gru_cell(self.gru_ih(prev_emb), state)
         if k == 0:  # slot 0 stays pure: the backbone already sees the anchor
             return None, state
         return self.w2(F.silu(self.w1_z(z_k) + self.w1_s(state))), state
 
-    def teacher_forced(self, z, prev_emb, prev_ids):
+    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
         # z: [N, B, H]; prev_emb: [N, B, H] embeddings of x_{a..a+B-1}
         x_proj = self.gru_ih(prev_emb)
         s = z.new_zeros(z.shape[0], self.g)
@@ -136,10 +138,10 @@ class MarkovHead(DSparkHead):
         nn.init.normal_(self.w1.weight, std=1.0 / math.sqrt(c.rank))
         self.zero_correction()
 
-    def step(self, k, z_k, prev_emb, prev_id, state):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
         return self.w2(self.w1(prev_id)), state
 
-    def teacher_forced(self, z, prev_emb, prev_ids):
+    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
         return self.w2(self.w1(prev_ids))
 
 
@@ -165,11 +167,11 @@ class RNNHead(DSparkHead):
         s = gate * s + (1 - gate) * torch.tanh(c)
         return s, self.w2(torch.tanh(o))
 
-    def step(self, k, z_k, prev_emb, prev_id, state):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
         state, delta = self._cell(state, self.w1(prev_id), z_k)
         return delta, state
 
-    def teacher_forced(self, z, prev_emb, prev_ids):
+    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
         e = self.w1(prev_ids)
         s = z.new_zeros(z.shape[0], self.r)
         deltas = []
@@ -179,7 +181,64 @@ class RNNHead(DSparkHead):
         return torch.stack(deltas, dim=1)
 
 
-HEADS: dict[str, type[NoHead]] = {"none": NoHead, "domino": DominoHead, "markov": MarkovHead, "rnn": RNNHead}
+class PathHead(NoHead):
+    """A path selector over the top-m base candidates of each slot (after DFlash2, August 2026).
+
+    Slot k keeps the m best tokens of its base logits and adds to each candidate c a pair score
+    <A[x_{a+k}] * sigmoid(G z_k), C[c]>: a rank-r code of the previous token, gated by the context,
+    against a rank-r code of the candidate. Everything outside the candidates keeps its base logit,
+    so the distribution drafted from is a full one (sampling stays lossless) and greedy walks one
+    path through the candidates. Slot 0 stays pure, as in the Domino head. Trained with the Domino
+    loss and curriculum; the candidates are chosen without gradient.
+    """
+
+    corrects = True
+    uses_curriculum = True
+
+    def __init__(self, c):
+        super().__init__()
+        self.m = min(c.path_candidates, c.out_vocab)
+        self.w1 = nn.Embedding(c.vocab_size, c.rank)  # previous token (target id) -> its code
+        self.gate = nn.Linear(c.hidden_size, c.rank, bias=False)  # context z_k -> which code dimensions count
+        self.w2 = nn.Embedding(c.out_vocab, c.rank)  # candidate (draft-vocabulary index) -> its code
+        nn.init.normal_(self.w1.weight, std=1.0 / math.sqrt(c.rank))
+        self.zero_correction()
+
+    def zero_correction(self) -> None:
+        nn.init.zeros_(self.w2.weight)
+
+    def scores(self, base, z, prev_ids):
+        """(candidates [..., m] by base logit, their pair scores [..., m]) of base [..., V'], z [..., H], prev ids."""
+        cands = base.detach().topk(self.m, dim=-1).indices
+        a = self.w1(prev_ids) * torch.sigmoid(self.gate(z))  # [..., r]
+        pair = (self.w2(cands) * a.unsqueeze(-2).to(self.w2.weight.dtype)).sum(-1)
+        return cands, pair
+
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
+        if k == 0:
+            return None, state
+        if base_k is None:
+            raise ValueError("the path head needs the slot's base logits (base_k)")
+        cands, pair = self.scores(base_k, z_k, prev_id)
+        return torch.zeros_like(base_k).scatter_(-1, cands, pair.to(base_k.dtype)), state
+
+    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
+        if base is None:
+            raise ValueError("the path head needs the base logits")
+        cands, pair = self.scores(base, z, prev_ids)  # [N, B, m]
+        delta = torch.zeros_like(base).scatter(-1, cands, pair.to(base.dtype))
+        return torch.cat([torch.zeros_like(delta[:, :1]), delta[:, 1:]], dim=1)
+
+    loss = DominoHead.loss
+
+
+HEADS: dict[str, type[NoHead]] = {
+    "none": NoHead,
+    "domino": DominoHead,
+    "markov": MarkovHead,
+    "rnn": RNNHead,
+    "path": PathHead,
+}
 
 
 # what the confidence head reads: z_prev_embed = [z_k ; embed(x_{a+k})]; z = z_k alone, DSpark's

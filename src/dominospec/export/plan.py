@@ -60,6 +60,11 @@ def plan_export(c: DrafterConfig, fmt: str, mask_token_id: int | None = None, al
             "the drafter was built with qk_norm false, but every engine's draft layer applies q_norm/k_norm "
             "(SGLang models/dflash.py, vLLM qwen3_dflash.py); it cannot be exported"
         )
+    if c.head == "path":
+        raise DominoError(
+            f"--to {fmt}: no serving engine has a path-selector head (SGLang and vLLM load Domino and DSpark heads); "
+            "export a drafter trained with --head domino, markov or rnn"
+        )
     kind = _engine_kind(c, fmt)
     if kind == "domino" and fmt in ("vllm", "speculators"):
         raise DominoError(
@@ -189,6 +194,11 @@ def arch_for_engine(
     if engine not in ENGINES:
         raise DominoError(f"--serve-with {engine!r}: expected one of {', '.join(ENGINES)}")
     head = head or ("domino" if engine == "sglang" else "markov")
+    if head == "path":
+        raise DominoError(
+            f"--serve-with {engine} --head path: no serving engine has a path-selector head; use --head domino "
+            "(SGLang) or markov (SGLang and vLLM)"
+        )
     if engine == "vllm" and head != "markov":
         raise DominoError(
             f"--serve-with vllm --head {head}: vLLM's Qwen3 DSpark model has the vanilla Markov head only; "

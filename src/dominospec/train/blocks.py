@@ -104,7 +104,7 @@ def teacher_forced_blocks(
     z = drafter.forward_blocks(features.unsqueeze(0), anchors, tokens[:, 0])
     base = drafter.base_logits(z)
     prev_emb = drafter.embed(tokens).to(z.dtype)
-    delta = drafter.head.teacher_forced(z, prev_emb, tokens)
+    delta = drafter.head.teacher_forced(z, prev_emb, tokens, base)
     return TeacherForced(tokens, labels, z, prev_emb, base, base if delta is None else base + delta)
 
 
@@ -122,7 +122,7 @@ def teacher_forced_packed(drafter, features: list[torch.Tensor], blocks: list[tu
     z = drafter.forward_packed(torch.cat(features), lengths, anchors, tokens[:, 0], counts)
     base = drafter.base_logits(z)
     prev_emb = drafter.embed(tokens).to(z.dtype)
-    delta = drafter.head.teacher_forced(z, prev_emb, tokens)
+    delta = drafter.head.teacher_forced(z, prev_emb, tokens, base)
     return TeacherForced(tokens, labels, z, prev_emb, base, base if delta is None else base + delta)
 
 

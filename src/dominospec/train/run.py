@@ -37,6 +37,7 @@ class TrainJob:
     arch: dict = field(default_factory=dict)  # DrafterConfig fields for a fresh drafter (head, num_layers, ...)
     draft_vocab: int = 0  # score only the N most frequent supervised tokens (0: the full vocabulary)
     init: str | Path | None = None  # start from this drafter directory instead of a fresh one
+    init_head: dict | None = None  # with init: a new untrained head on its backbone (head + head fields)
     init_from_layer: int | None = None  # a fresh drafter's layers start from the target's layers J, J+1, ...
     val_data: str | Path | None = None  # validate on this directory instead of a held-out part of `data`
     val_fraction: float = 0.05  # conversations held out for validation, by id hash
@@ -62,6 +63,8 @@ class TrainJob:
             raise DominoError(f"--memory-gb must be a finite number >= 0, got {self.memory_gb}")
         if self.train_samples is not None and min(_as_tuple(self.train_samples)) < 1:
             raise DominoError(f"--train-samples must be at least 1, got {self.train_samples}")
+        if self.init_head and not self.init:
+            raise DominoError("a new head on a trained backbone needs --init DIR")
         if self.init and self.init_from_layer is not None:
             raise DominoError("--init-from-layer starts a fresh drafter; it cannot be combined with --init")
 
@@ -130,6 +133,11 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
         torch.cuda.set_device(dist.rank % torch.cuda.device_count())
     if job.init:
         drafter = Drafter.from_pretrained(job.init, target=target)
+        if job.init_head and job.init_head["head"] != drafter.config.head:
+            old_head = drafter.config.head
+            drafter = drafter.with_head(**job.init_head)
+            new_head = drafter.config.head
+            log(f"kept the backbone of {job.init} and replaced its {old_head} head by an untrained {new_head} head")
     else:
         drafter = fresh_drafter(target, samples, job.arch, job.draft_vocab, cfg.seed)
         if job.init_from_layer is not None:
