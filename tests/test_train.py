@@ -327,3 +327,15 @@ def test_a_new_head_on_a_trained_backbone_keeps_everything_else(qwen3_target):
     assert new.tokens == off.tokens and new.accepted == off.accepted
     with pytest.raises(DominoError, match="head 'nope'"):
         d.with_head("nope")
+
+
+def test_bf16_where_it_is_emulated_is_warned_about(monkeypatch):
+    """--bf16 on a CPU without native bf16 matmuls (an AVX2 EPYC: a step ~5x slower than fp32) says so."""
+    from dominospec import devices
+
+    monkeypatch.setattr(devices, "native_bf16", lambda: False)
+    text = devices.bf16_warning(torch.device("cpu"))
+    assert "--bf16" in text and "emulated" in text and "drop --bf16" in text
+    assert devices.bf16_warning(torch.device("cuda")) is None  # GPUs decide for themselves
+    monkeypatch.setattr(devices, "native_bf16", lambda: True)
+    assert devices.bf16_warning(torch.device("cpu")) is None

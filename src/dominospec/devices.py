@@ -66,6 +66,25 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def native_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (AVX512-BF16, AMX): oneDNN's own answer; True if it cannot say."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
+
+
+def bf16_warning(device: torch.device) -> str | None:
+    """What to tell a user who asks for bf16 autocast where it is emulated, or None."""
+    if device.type != "cpu" or native_bf16():
+        return None
+    return (
+        f"warning: --bf16 on a CPU without native bf16 matmuls ({cpu_model()}, torch capability "
+        f"{torch.backends.cpu.get_cpu_capability()}): they are emulated, and a training step measured ~5x slower "
+        "than fp32 on such a CPU (docs/training.md); drop --bf16 here"
+    )
+
+
 def physical_cores() -> int:
     """Physical CPU cores this process may run on (hyperthread siblings counted once)."""
     try:

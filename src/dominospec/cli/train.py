@@ -7,9 +7,11 @@ import argparse
 import torch
 
 from ..data.dataset import check_data_dir
+from ..devices import bf16_warning
 from ..drafter.checkpoint import read_checkpoint
 from ..errors import DominoError
 from ..export.plan import why_not_exact
+from ..log import log
 from ..train.objectives import POSITION_WEIGHTS
 from ..train.run import TRAIN_LABELS, TrainJob, train_drafter
 from ..train.trainer import TrainConfig
@@ -77,6 +79,8 @@ def cmd_train(args) -> int:
     if args.val_data:
         check_data_dir(args.val_data, "--val-data")
     target = target_from_args(args)
+    if args.bf16 and (warning := bf16_warning(target.device)):
+        log(warning)
     if not args.init:  # a fresh drafter's shape (--layer-ids also sets the target's feature layers)
         job.arch = arch_from_args(args, target)
     elif args.head:  # --init DIR --head H: DIR's backbone under a new H head (kept where DIR has H already)
@@ -239,7 +243,8 @@ def add_parser(sub) -> None:
         "--bf16",
         action="store_true",
         help="bf16 autocast of the drafter's forward and backward (packed only; about 1.5x faster on CPUs "
-        "with native bf16 such as AVX512-BF16 / AMX; see docs/training.md for its effect on tau)",
+        "with native bf16 such as AVX512-BF16 / AMX, several times slower where it is emulated, e.g. AVX2; "
+        "see docs/training.md for its effect on tau)",
     )
     p.add_argument("--seed", type=int, default=default(TrainConfig, "seed"))
     p.add_argument(

@@ -201,7 +201,9 @@ class PathHead(NoHead):
         self.w1 = nn.Embedding(c.vocab_size, c.rank)  # previous token (target id) -> its code
         self.gate = nn.Linear(c.hidden_size, c.rank, bias=False)  # context z_k -> which code dimensions count
         self.w2 = nn.Embedding(c.out_vocab, c.rank)  # candidate (draft-vocabulary index) -> its code
-        nn.init.normal_(self.w1.weight, std=1.0 / math.sqrt(c.rank))
+        # unit-scale codes: the candidate codes start at zero, and Adam moves each element by about the learning
+        # rate per step, so the pair scores grow as fast as the previous token's code is large
+        nn.init.normal_(self.w1.weight, std=1.0)
         self.zero_correction()
 
     def zero_correction(self) -> None:
