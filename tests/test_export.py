@@ -102,7 +102,7 @@ def our_rollout(drafter, target, seq: list[int]):
         prev_emb = drafter.embed(prev)
         if drafter.confidence is not None:
             conf.append(drafter.confidence(z[k : k + 1], prev_emb))
-        delta, state = head.step(k, z[k : k + 1], prev_emb, prev, state)
+        delta, state = head.step(k, z[k : k + 1], prev_emb, prev, state, base[k : k + 1])
         final = base[k : k + 1] if delta is None else base[k : k + 1] + delta
         full = torch.full((1, drafter.config.vocab_size), -math.inf, dtype=final.dtype)
         idx = drafter.draft_vocab if drafter.config.draft_vocab_size else torch.arange(drafter.config.vocab_size)

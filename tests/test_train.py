@@ -312,7 +312,7 @@ def test_a_new_head_on_a_trained_backbone_keeps_everything_else(qwen3_target):
     """`with_head` (train --init DIR --head H): backbone, confidence head and draft vocabulary kept, the new
     head untrained, so its drafts are the backbone's own until it learns."""
     d = tiny_drafter(qwen3_target, head="domino", confidence=True, draft_vocab=40).eval()
-    p = d.with_head("path", path_candidates=4)
+    p = d.with_head("path", path_candidates=4).attach(qwen3_target)
     assert p.config.head == "path" and p.config.path_candidates == 4 and p.head.m == 4
     mine, theirs = d.state_dict(), p.state_dict()
     for k, v in mine.items():

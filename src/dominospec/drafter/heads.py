@@ -1,7 +1,8 @@
 """Sequential heads: what turns the backbone's parallel base logits into left-to-right drafts.
 
 Every head sees, for block slot k, the backbone state z_k and the token realised just before
-the slot's target, prev_k = x_{a+k} (slot 0: the anchor). It returns a logit correction
+the slot's target, prev_k = x_{a+k} (slot 0: the anchor). It also sees the slot's base
+logits base_k (what a head that re-ranks candidates needs) and returns a logit correction
 delta_k (None: no correction) so that final_k = base_k + delta_k. At inference `step` runs left
 to right over drafted tokens; in training `teacher_forced` runs all slots at once over the true
 tokens. Each head also owns its training loss and says what that loss needs, so adding a head
@@ -42,10 +43,10 @@ class NoHead(nn.Module):
     def init_state(self, z):
         return None
 
-    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k):
         return None, state
 
-    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
+    def teacher_forced(self, z, prev_emb, prev_ids, base):
         return None
 
     def zero_correction(self) -> None:
@@ -87,13 +88,13 @@ class DominoHead(NoHead):
     def init_state(self, z):
         return z.new_zeros(z.shape[0], self.g)
 
-    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k):
         state = self.gru_cell(self.gru_ih(prev_emb), state)
         if k == 0:  # slot 0 stays pure: the backbone already sees the anchor
             return None, state
         return self.w2(F.silu(self.w1_z(z_k) + self.w1_s(state))), state
 
-    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
+    def teacher_forced(self, z, prev_emb, prev_ids, base):
         # z: [N, B, H]; prev_emb: [N, B, H] embeddings of x_{a..a+B-1}
         x_proj = self.gru_ih(prev_emb)
         s = z.new_zeros(z.shape[0], self.g)
@@ -138,10 +139,10 @@ class MarkovHead(DSparkHead):
         nn.init.normal_(self.w1.weight, std=1.0 / math.sqrt(c.rank))
         self.zero_correction()
 
-    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k):
         return self.w2(self.w1(prev_id)), state
 
-    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
+    def teacher_forced(self, z, prev_emb, prev_ids, base):
         return self.w2(self.w1(prev_ids))
 
 
@@ -167,11 +168,11 @@ class RNNHead(DSparkHead):
         s = gate * s + (1 - gate) * torch.tanh(c)
         return s, self.w2(torch.tanh(o))
 
-    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k):
         state, delta = self._cell(state, self.w1(prev_id), z_k)
         return delta, state
 
-    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
+    def teacher_forced(self, z, prev_emb, prev_ids, base):
         e = self.w1(prev_ids)
         s = z.new_zeros(z.shape[0], self.r)
         deltas = []
@@ -216,17 +217,13 @@ class PathHead(NoHead):
         pair = (self.w2(cands) * a.unsqueeze(-2).to(self.w2.weight.dtype)).sum(-1)
         return cands, pair
 
-    def step(self, k, z_k, prev_emb, prev_id, state, base_k=None):
+    def step(self, k, z_k, prev_emb, prev_id, state, base_k):
         if k == 0:
             return None, state
-        if base_k is None:
-            raise ValueError("the path head needs the slot's base logits (base_k)")
         cands, pair = self.scores(base_k, z_k, prev_id)
         return torch.zeros_like(base_k).scatter_(-1, cands, pair.to(base_k.dtype)), state
 
-    def teacher_forced(self, z, prev_emb, prev_ids, base=None):
-        if base is None:
-            raise ValueError("the path head needs the base logits")
+    def teacher_forced(self, z, prev_emb, prev_ids, base):
         cands, pair = self.scores(base, z, prev_ids)  # [N, B, m]
         delta = torch.zeros_like(base).scatter(-1, cands, pair.to(base.dtype))
         return torch.cat([torch.zeros_like(delta[:, :1]), delta[:, 1:]], dim=1)

@@ -348,21 +348,14 @@ class Drafter(nn.Module):
 
     def with_head(self, head: str, **fields) -> Drafter:
         """A copy of this drafter with a new, untrained sequential head (DrafterConfig fields of the head in
-        `fields`): the backbone, the confidence head and the draft vocabulary are kept, attached to the same
-        target. What compares heads on one trained backbone."""
+        `fields`): the backbone, the confidence head and the draft vocabulary are kept; attach it to a target
+        before use. What compares heads on one trained backbone."""
         config = DrafterConfig.from_dict({**self.config.to_dict(), "head": head, **fields})
         fresh = Drafter(config).to(device=self.fc.weight.device, dtype=self.dtype)
         kept = {k: v for k, v in self.state_dict().items() if not k.startswith("head.")}
         missing, unexpected = fresh.load_state_dict(kept, strict=False)
         assert not unexpected and all(k.startswith("head.") for k in missing), (missing, unexpected)
-        fresh.directory = None
-        fresh.train(self.training)
-        if self._borrowed is not None:
-            fresh._borrowed = self._borrowed
-            fresh.weight_format = self.weight_format
-            fresh._target_head_kernel = self._target_head_kernel
-            fresh.refresh_head_rows()
-        return fresh
+        return fresh.train(self.training)
 
     def num_trainable_parameters(self) -> int:
         """Parameters the optimiser updates (the borrowed embedding and LM head are not among them)."""

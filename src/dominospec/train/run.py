@@ -135,7 +135,7 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
         drafter = Drafter.from_pretrained(job.init, target=target)
         if job.init_head and job.init_head["head"] != drafter.config.head:
             old_head = drafter.config.head
-            drafter = drafter.with_head(**job.init_head)
+            drafter = drafter.with_head(**job.init_head).attach(target)
             new_head = drafter.config.head
             log(f"kept the backbone of {job.init} and replaced its {old_head} head by an untrained {new_head} head")
     else:
