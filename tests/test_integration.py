@@ -200,6 +200,14 @@ def test_pipeline_prepare_train_generate_bench(tmp_path, capsys, smollm):
     assert cfg["head"] == "path" and cfg["path_candidates"] == 4 and cfg["draft_vocab_size"] == 512
     assert main(["generate", "Add 2 and 2.", "--drafter", str(path), "--max-new-tokens", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["text"] == spec["text"]
+    # the trained drafter with its draft vocabulary chosen again from the data (smaller here), trained on, lossless
+    revocab = tmp_path / "revocab"
+    args = ["train", "--data", str(data), "--out", str(revocab), "--init", str(drafter), "--draft-vocab", "300"]
+    assert main([*args, "--max-steps", "1", "--batch-size", "2", "--anchors", "4"]) == 0
+    assert "chosen again from this data: 512 -> 300 tokens" in capsys.readouterr().err
+    assert json.loads((revocab / "config.json").read_text())["draft_vocab_size"] == 300
+    assert main(["generate", "Add 2 and 2.", "--drafter", str(revocab), "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == spec["text"]
 
 
 def test_shipped_default_drafter_is_used_and_lossless(capsys, smollm):

@@ -12,7 +12,7 @@ import torch
 from conftest import synthetic_samples, tiny_drafter
 from safetensors.torch import load_file
 
-from dominospec import DominoError, generate_speculative
+from dominospec import DominoError, generate_autoregressive, generate_speculative
 from dominospec.train.blocks import IGNORE, anchor_candidates, make_blocks, simulated_tau
 from dominospec.train.run import TrainJob, training_subset
 from dominospec.train.samples import validate_samples
@@ -329,6 +329,37 @@ def test_a_new_head_on_a_trained_backbone_keeps_everything_else(qwen3_target):
         d.with_head("nope")
 
 
+@pytest.mark.parametrize("head", ["domino", "path"])
+def test_a_new_draft_vocabulary_moves_the_head_rows_with_their_tokens(qwen3_target, head):
+    """`with_draft_vocab` (train --init DIR --draft-vocab N): the backbone is kept, each kept token's head
+    row moves to its new slot, a new token's row is zero, the full vocabulary scatters the rows; the
+    drafter stays lossless, and a malformed vocabulary is refused."""
+    d = tiny_drafter(qwen3_target, head=head, confidence=True, draft_vocab=40).eval()
+    old = d.draft_vocab.tolist()
+    outside = sorted(set(range(qwen3_target.vocab_size)) - set(old))
+    ids = torch.tensor(sorted(old[::2] + outside[:10]))  # half the old tokens and 10 new ones
+    n = d.with_draft_vocab(ids).attach(qwen3_target)
+    assert n.config.draft_vocab_size == 30 and n.draft_vocab.tolist() == ids.tolist()
+    mine, theirs = d.state_dict(), n.state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in mine.items() if k not in ("draft_vocab", "head.w2.weight"))
+    w_old, w_new = d.head.w2.weight, n.head.w2.weight
+    for slot, tok in enumerate(ids.tolist()):
+        want = w_old[old.index(tok)] if tok in old else torch.zeros_like(w_new[slot])
+        assert torch.equal(w_new[slot], want), tok
+    full = d.with_draft_vocab(None).attach(qwen3_target)
+    assert full.config.draft_vocab_size == 0 and full.head.w2.weight.shape[0] == qwen3_target.vocab_size
+    assert torch.equal(full.head.w2.weight[d.draft_vocab], w_old)
+    assert int((full.head.w2.weight.abs().sum(-1) > 0).sum()) == 40
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    with torch.no_grad():
+        plain = generate_autoregressive(qwen3_target, prompt, 12, eos_ids=[]).tokens
+        for drafter in (n, full):
+            assert generate_speculative(qwen3_target, drafter, prompt, 12, eos_ids=[]).tokens == plain
+    for bad in ([3, 3], [qwen3_target.vocab_size], []):
+        with pytest.raises(DominoError, match="distinct token ids"):
+            d.with_draft_vocab(torch.tensor(bad, dtype=torch.long))
+
+
 def test_bf16_where_it_is_emulated_is_warned_about(monkeypatch):
     """--bf16 on a CPU without native bf16 matmuls (an AVX2 EPYC: a step ~5x slower than fp32) says so."""
     from dominospec import devices
@@ -339,3 +370,21 @@ def test_bf16_where_it_is_emulated_is_warned_about(monkeypatch):
     assert devices.bf16_warning(torch.device("cuda")) is None  # GPUs decide for themselves
     monkeypatch.setattr(devices, "native_bf16", lambda: True)
     assert devices.bf16_warning(torch.device("cpu")) is None
+
+
+def test_init_refuses_shape_flags_it_would_ignore(qwen3_target, tmp_path, capsys):
+    """train --init DIR keeps DIR's shape: a shape flag asking for another is refused by name, before anything
+    loads; flags equal to DIR's (a recipe that repeats them) and a new head's own sizes pass."""
+    from dominospec.cli import main
+
+    d = tiny_drafter(qwen3_target, head="domino", confidence=False)
+    d.save_pretrained(tmp_path / "d")
+    base = ["train", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "out"), "--init", str(tmp_path / "d")]
+    assert main([*base, "--layers", "3", "--confidence-head", "--rank", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "--layers 3 (it has num_layers 2)" in err and "--confidence-head (it has none)" in err
+    assert "--rank 5 (it has rank 8)" in err and "train a fresh drafter without --init" in err
+    # the same shape, or a new head's rank: past the shape check, stopped at the missing data directory
+    assert main([*base, "--layers", "2", "--block-size", "4", "--head", "path", "--rank", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "keeps the drafter's own shape" not in err and "nodata" in err

@@ -9,9 +9,11 @@ import torch
 from ..data.dataset import check_data_dir
 from ..devices import bf16_warning
 from ..drafter.checkpoint import read_checkpoint
+from ..drafter.config import DrafterConfig
 from ..errors import DominoError
 from ..export.plan import why_not_exact
 from ..log import log
+from ..targets import parse_layer_ids
 from ..train.objectives import POSITION_WEIGHTS
 from ..train.run import TRAIN_LABELS, TrainJob, train_drafter
 from ..train.trainer import TrainConfig
@@ -53,6 +55,8 @@ def cmd_train(args) -> int:
         bf16=args.bf16,
     )
     check_arch_args(args)
+    if args.init:
+        check_init_shape(args)
     if args.init and args.serve_with:  # --serve-with cannot change a drafter that already exists
         reason = why_not_exact(read_checkpoint(args.init)[0], args.serve_with)
         if reason:
@@ -94,6 +98,42 @@ def cmd_train(args) -> int:
     return 0
 
 
+# shape flag -> (DrafterConfig field, its parser default): with --init, DIR's value stands
+INIT_SHAPE = {
+    "layers": ("num_layers", default(DrafterConfig, "num_layers")),
+    "block_size": ("block_size", default(DrafterConfig, "block_size")),
+    "intermediate_size": ("intermediate_size", None),
+    "mask_token_id": ("mask_token_id", None),
+}
+HEAD_SHAPE = {  # read only by a new head (--head naming another head than DIR's)
+    "gru_hidden_size": ("gru_hidden_size", default(DrafterConfig, "gru_hidden_size")),
+    "rank": ("rank", default(DrafterConfig, "rank")),
+    "path_candidates": ("path_candidates", default(DrafterConfig, "path_candidates")),
+}
+
+
+def check_init_shape(args) -> None:
+    """--init DIR keeps DIR's shape: a shape flag set to something else than DIR has is refused, not ignored."""
+    config = read_checkpoint(args.init)[0]
+    flags = dict(INIT_SHAPE)
+    if not args.head or args.head == config.head:
+        flags |= HEAD_SHAPE
+    bad = [
+        f"--{name.replace('_', '-')} {getattr(args, name)} (it has {field} {getattr(config, field)})"
+        for name, (field, unset) in flags.items()
+        if getattr(args, name) != unset and getattr(args, name) != getattr(config, field)
+    ]
+    if args.confidence_head and not config.confidence_head:
+        bad.append("--confidence-head (it has none)")
+    if args.layer_ids and parse_layer_ids(args.layer_ids, config.target_num_layers) != list(config.target_layer_ids):
+        bad.append(f"--layer-ids {args.layer_ids} (it reads {','.join(map(str, config.target_layer_ids))})")
+    if bad:
+        raise DominoError(
+            f"--init {args.init} keeps the drafter's own shape; these flags ask for another: {'; '.join(bad)} "
+            f"(drop them, or train a fresh drafter without --init)"
+        )
+
+
 def _samples_spec(text: str):
     """--train-samples N or N,M."""
     try:
@@ -132,7 +172,9 @@ def add_parser(sub) -> None:
         type=int,
         default=default(TrainJob, "draft_vocab"),
         help="score only the N most frequent supervised tokens of the data (0: full vocabulary); "
-        "lossless, and much cheaper per draft on CPU",
+        "lossless, and much cheaper per draft on CPU. Default: 0 for a fresh drafter; with --init, the "
+        "drafter's own vocabulary, and a given N chooses it again from this data (its head's rows follow "
+        "their tokens; new tokens start uncorrected)",
     )
     p.add_argument(
         "--max-steps",

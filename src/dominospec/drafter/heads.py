@@ -36,6 +36,7 @@ class NoHead(nn.Module):
     corrects = False  # proposes straight from the base logits
     needs_target_probs = False  # its loss needs the target's distribution at each slot
     uses_curriculum = False  # its loss reads the curriculum weight λ
+    vocab_rows: tuple[str, ...] = ()  # weights with one row per draft-vocabulary slot (follow a new vocabulary)
 
     def __init__(self, c=None):
         super().__init__()
@@ -61,6 +62,7 @@ class DominoHead(NoHead):
     """GRU causal encoder over realised block tokens + low-rank logit correction."""
 
     corrects = True
+    vocab_rows = ("w2.weight",)
     uses_curriculum = True
 
     def __init__(self, c):
@@ -116,6 +118,7 @@ class DSparkHead(NoHead):
     """Shared loss of DSpark's heads: a little CE, mostly L1 between draft and target distributions."""
 
     corrects = True
+    vocab_rows = ("w2.weight",)
     needs_target_probs = True
 
     def zero_correction(self) -> None:
@@ -194,6 +197,7 @@ class PathHead(NoHead):
     """
 
     corrects = True
+    vocab_rows = ("w2.weight",)
     uses_curriculum = True
 
     def __init__(self, c):

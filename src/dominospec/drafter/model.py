@@ -357,6 +357,38 @@ class Drafter(nn.Module):
         assert not unexpected and all(k.startswith("head.") for k in missing), (missing, unexpected)
         return fresh.train(self.training)
 
+    def with_draft_vocab(self, ids: torch.Tensor | None) -> Drafter:
+        """A copy of this drafter scoring a new draft vocabulary (`ids`: sorted distinct target token ids;
+        None: the full vocabulary); attach it to a target before use. The backbone is vocabulary-free (its
+        LM-head rows are the target's), so only the head's per-slot rows (`vocab_rows`) follow: a token that
+        stays keeps its row, a new one starts at zero (no correction until trained)."""
+        vocab = self.config.vocab_size
+        if ids is not None:
+            ids = torch.as_tensor(ids, dtype=torch.long).cpu()
+            if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != len(ids):
+                raise DominoError(f"a draft vocabulary must hold distinct token ids in 0..{vocab - 1}")
+            ids = ids.sort().values
+        config = DrafterConfig.from_dict({**self.config.to_dict(), "draft_vocab_size": 0 if ids is None else len(ids)})
+        fresh = Drafter(config).to(device=self.fc.weight.device, dtype=self.dtype)
+        old_ids = self.draft_vocab.cpu() if self.config.draft_vocab_size else torch.arange(vocab)
+        new_ids = torch.arange(vocab) if ids is None else ids
+        slot = torch.full((vocab,), -1, dtype=torch.long)
+        slot[old_ids] = torch.arange(len(old_ids))
+        src = slot[new_ids]  # each new slot's old slot, -1 where the token is new
+        kept = src >= 0
+        state = self.state_dict()
+        for name in self.head.vocab_rows:
+            old = state[f"head.{name}"]
+            rows = old.new_zeros((len(new_ids), *old.shape[1:]))
+            rows[kept.to(old.device)] = old[src[kept].to(old.device)]
+            state[f"head.{name}"] = rows
+        if ids is None:
+            state.pop("draft_vocab", None)
+        else:
+            state["draft_vocab"] = ids.to(fresh.fc.weight.device)
+        fresh.load_state_dict(state)
+        return fresh.train(self.training)
+
     def num_trainable_parameters(self) -> int:
         """Parameters the optimiser updates (the borrowed embedding and LM head are not among them)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

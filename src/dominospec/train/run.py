@@ -20,7 +20,13 @@ from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
 from .distributed import init_distributed
-from .samples import draft_vocab_coverage, fresh_drafter, init_from_target_layer, validate_samples
+from .samples import (
+    draft_vocab_coverage,
+    frequent_tokens,
+    fresh_drafter,
+    init_from_target_layer,
+    validate_samples,
+)
 from .trainer import TrainConfig, Trainer
 from .validate import Validator, shared_sequences, split_validation
 
@@ -35,7 +41,9 @@ class TrainJob:
     out: str | Path  # the drafter, metrics.jsonl, training.png, train_state/
     config: TrainConfig = field(default_factory=TrainConfig)
     arch: dict = field(default_factory=dict)  # DrafterConfig fields for a fresh drafter (head, num_layers, ...)
-    draft_vocab: int = 0  # score only the N most frequent supervised tokens (0: the full vocabulary)
+    # score only the N most frequent supervised tokens (0: the full vocabulary); None: a fresh drafter's 0,
+    # --init's own vocabulary (given with --init, the vocabulary is chosen again from this data)
+    draft_vocab: int | None = None
     init: str | Path | None = None  # start from this drafter directory instead of a fresh one
     init_head: dict | None = None  # with init: a new untrained head on its backbone (head + head fields)
     init_from_layer: int | None = None  # a fresh drafter's layers start from the target's layers J, J+1, ...
@@ -51,7 +59,7 @@ class TrainJob:
     memory_gb: float = 4.0  # the packed step keeps at most this much of the samples' fp16 features in memory
 
     def __post_init__(self):
-        if not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+        if self.draft_vocab is not None and (not isinstance(self.draft_vocab, int) or self.draft_vocab < 0):
             raise DominoError(f"--draft-vocab must be at least 0, got {self.draft_vocab}")
         if not 0 <= self.val_fraction < 1:
             raise DominoError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
@@ -109,6 +117,25 @@ def training_subset(samples: list[dict], labels: str, n, where: str, held_out: i
     return samples
 
 
+def new_draft_vocab(drafter, target, samples: list[dict], n: int, source) -> Drafter:
+    """--init DIR --draft-vocab N: DIR's drafter scoring the N most frequent supervised tokens of this data
+    (0: the full vocabulary); the head's rows follow their tokens, new tokens start uncorrected."""
+    if n > target.vocab_size:
+        raise DominoError(f"--draft-vocab {n} exceeds the target's vocabulary of {target.vocab_size}")
+    before = draft_vocab_coverage(drafter, samples)
+    ids = frequent_tokens(samples, n, target.vocab_size, target.eos_ids) if n else None
+    old = set(drafter.draft_vocab.tolist()) if drafter.config.draft_vocab_size else None
+    fresh = drafter.with_draft_vocab(ids).attach(target)
+    added = n - len(old & set(ids.tolist())) if old is not None and ids is not None else None
+    after = draft_vocab_coverage(fresh, samples)
+    log(
+        f"draft vocabulary of {source} chosen again from this data: {drafter.config.out_vocab} -> "
+        f"{fresh.config.out_vocab} tokens, covering {before:.1%} -> {after:.1%} of the supervised training tokens"
+        + (f"; {added} tokens new to it start uncorrected" if added is not None else "")
+    )
+    return fresh
+
+
 def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
     """Load and check the data, build or load the drafter, train, export the best; returns the Trainer."""
     cfg = job.config
@@ -138,8 +165,10 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
             drafter = drafter.with_head(**job.init_head).attach(target)
             new_head = drafter.config.head
             log(f"kept the backbone of {job.init} and replaced its {old_head} head by an untrained {new_head} head")
+        if job.draft_vocab is not None:
+            drafter = new_draft_vocab(drafter, target, samples, job.draft_vocab, job.init)
     else:
-        drafter = fresh_drafter(target, samples, job.arch, job.draft_vocab, cfg.seed)
+        drafter = fresh_drafter(target, samples, job.arch, job.draft_vocab or 0, cfg.seed)
         if job.init_from_layer is not None:
             copied = init_from_target_layer(drafter, target, job.init_from_layer)
             log(f"draft layers start from target layer(s) {job.init_from_layer}..: {len(copied)} weights copied")

@@ -82,6 +82,8 @@ def fresh_drafter(target, samples: list[dict], arch: dict, draft_vocab: int, see
 
 def draft_vocab_coverage(drafter, samples: list[dict]) -> float:
     """Share of the supervised tokens that the drafter's draft vocabulary can propose."""
+    if not drafter.config.draft_vocab_size:
+        return 1.0
     dv = set(drafter.draft_vocab.tolist())
     sup = [t for s in samples for t, m in zip(s["input_ids"], s["loss_mask"]) if m]
     return sum(t in dv for t in sup) / max(1, len(sup))
