@@ -88,11 +88,17 @@ def main() -> None:
     remember_features(target)
     _, val = split_validation(load_dataset_dir(args.data, target=target)[1], args.val_fraction)
     validator = Validator(target, val, walk=True)
-    like = None
-    if args.eval_like:
+    like, like_sets = None, {}
+    if args.eval_like:  # one validator over all held-out eval-like prompts, and one per eval set (by category)
         sets = load_prompt_sets(sorted(str(p) for p in Path("prompts").glob("eval-*.jsonl")), target)
-        held = [p for prompts in sets.values() for p in prompts[args.bench_limit :]]
-        like = Validator(target, greedy_answer_samples(target, held, args.new_tokens, "eval-like"), walk=True)
+        answers = {
+            Path(name).stem.removeprefix("eval-"): greedy_answer_samples(
+                target, prompts[args.bench_limit :], args.new_tokens, f"eval-like-{Path(name).stem}"
+            )
+            for name, prompts in sets.items()
+        }
+        like = Validator(target, [s for samples in answers.values() for s in samples], walk=True)
+        like_sets = {name: Validator(target, samples, walk=True) for name, samples in answers.items() if samples}
     rows = []
     for run in args.runs + args.also:
         row = run_facts(run) | {"curve": run in args.runs}
@@ -102,12 +108,18 @@ def main() -> None:
         if like:
             r = like.evaluate(drafter)
             row.update(eval_like_tau=round(r.tau, 4), eval_like_p1=round(r.conditional[0] or 0.0, 4))
+            by_set = {name: v.evaluate(drafter) for name, v in like_sets.items()}
+            row["eval_like_by_set"] = {
+                name: {"tau": round(r.tau, 4), "p1": round(r.conditional[0] or 0.0, 4)} for name, r in by_set.items()
+            }
         rows.append(row)
         print(
             f"{row['run']:<24} samples {row['samples']}  epochs {row.get('epochs')}  best step {row.get('best_step')}  "
             f"tau {row['val_tau']:.3f}  p1 {row['p1']:.3f}  (at training: {row.get('train_val_tau')})  "
             f"train CPU-h {row.get('train_cpu_h')}" + (f"  eval-like tau {row['eval_like_tau']:.3f}" if like else "")
         )
+        for name, r in row.get("eval_like_by_set", {}).items():
+            print(f"    eval-like {name:<10} tau {r['tau']:.3f}  p1 {r['p1']:.3f}")
     print(markdown(rows))
     table = {"data": args.data, "held_out": len(val), "walk": True, "runs": rows}
     if args.json:
