@@ -174,7 +174,7 @@ def add_parser(sub) -> None:
         help="score only the N most frequent supervised tokens of the data (0: full vocabulary); "
         "lossless, and much cheaper per draft on CPU. Default: 0 for a fresh drafter; with --init, the "
         "drafter's own vocabulary, and a given N chooses it again from this data (its head's rows follow "
-        "their tokens; new tokens start uncorrected)",
+        "their tokens; new tokens start at the mean row)",
     )
     p.add_argument(
         "--max-steps",

@@ -119,7 +119,7 @@ def training_subset(samples: list[dict], labels: str, n, where: str, held_out: i
 
 def new_draft_vocab(drafter, target, samples: list[dict], n: int, source) -> Drafter:
     """--init DIR --draft-vocab N: DIR's drafter scoring the N most frequent supervised tokens of this data
-    (0: the full vocabulary); the head's rows follow their tokens, new tokens start uncorrected."""
+    (0: the full vocabulary); the head's rows follow their tokens, new tokens start at the mean row."""
     if n > target.vocab_size:
         raise DominoError(f"--draft-vocab {n} exceeds the target's vocabulary of {target.vocab_size}")
     before = draft_vocab_coverage(drafter, samples)
@@ -131,7 +131,7 @@ def new_draft_vocab(drafter, target, samples: list[dict], n: int, source) -> Dra
     log(
         f"draft vocabulary of {source} chosen again from this data: {drafter.config.out_vocab} -> "
         f"{fresh.config.out_vocab} tokens, covering {before:.1%} -> {after:.1%} of the supervised training tokens"
-        + (f"; {added} tokens new to it start uncorrected" if added is not None else "")
+        + (f"; {added} tokens new to it start at the mean head row" if added is not None else "")
     )
     return fresh
 
