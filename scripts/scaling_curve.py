@@ -26,7 +26,7 @@ from dominospec.bench.runner import load_prompt_sets
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.drafter import Drafter
 from dominospec.targets import Target
-from dominospec.train.validate import Validator, greedy_answer_samples, split_validation
+from dominospec.train.validate import Validator, ValResult, greedy_answer_samples, split_validation
 
 
 def remember_features(target) -> None:
@@ -88,8 +88,8 @@ def main() -> None:
     remember_features(target)
     _, val = split_validation(load_dataset_dir(args.data, target=target)[1], args.val_fraction)
     validator = Validator(target, val, walk=True)
-    like, like_sets = None, {}
-    if args.eval_like:  # one validator over all held-out eval-like prompts, and one per eval set (by category)
+    like_sets = {}
+    if args.eval_like:  # one validator per eval set (by category); the overall figure sums their counts
         sets = load_prompt_sets(sorted(str(p) for p in Path("prompts").glob("eval-*.jsonl")), target)
         answers = {
             Path(name).stem.removeprefix("eval-"): greedy_answer_samples(
@@ -97,7 +97,6 @@ def main() -> None:
             )
             for name, prompts in sets.items()
         }
-        like = Validator(target, [s for samples in answers.values() for s in samples], walk=True)
         like_sets = {name: Validator(target, samples, walk=True) for name, samples in answers.items() if samples}
     rows = []
     for run in args.runs + args.also:
@@ -105,10 +104,14 @@ def main() -> None:
         drafter = Drafter.from_pretrained(run, target=target).float()
         result = validator.evaluate(drafter)
         row.update(val_tau=round(result.tau, 4), p1=round(result.conditional[0] or 0.0, 4), val_blocks=result.blocks)
-        if like:
-            r = like.evaluate(drafter)
-            row.update(eval_like_tau=round(r.tau, 4), eval_like_p1=round(r.conditional[0] or 0.0, 4))
+        if like_sets:
             by_set = {name: v.evaluate(drafter) for name, v in like_sets.items()}
+            r = ValResult(
+                [sum(js) for js in zip(*(x.judged for x in by_set.values()))],
+                [sum(ps) for ps in zip(*(x.passed for x in by_set.values()))],
+                sum(x.samples for x in by_set.values()),
+            )
+            row.update(eval_like_tau=round(r.tau, 4), eval_like_p1=round(r.conditional[0] or 0.0, 4))
             row["eval_like_by_set"] = {
                 name: {"tau": round(r.tau, 4), "p1": round(r.conditional[0] or 0.0, 4)} for name, r in by_set.items()
             }
@@ -116,7 +119,8 @@ def main() -> None:
         print(
             f"{row['run']:<24} samples {row['samples']}  epochs {row.get('epochs')}  best step {row.get('best_step')}  "
             f"tau {row['val_tau']:.3f}  p1 {row['p1']:.3f}  (at training: {row.get('train_val_tau')})  "
-            f"train CPU-h {row.get('train_cpu_h')}" + (f"  eval-like tau {row['eval_like_tau']:.3f}" if like else "")
+            f"train CPU-h {row.get('train_cpu_h')}"
+            + (f"  eval-like tau {row['eval_like_tau']:.3f}" if like_sets else "")
         )
         for name, r in row.get("eval_like_by_set", {}).items():
             print(f"    eval-like {name:<10} tau {r['tau']:.3f}  p1 {r['p1']:.3f}")

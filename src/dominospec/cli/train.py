@@ -55,10 +55,11 @@ def cmd_train(args) -> int:
         bf16=args.bf16,
     )
     check_arch_args(args)
-    if args.init:
-        check_init_shape(args)
-    if args.init and args.serve_with:  # --serve-with cannot change a drafter that already exists
-        reason = why_not_exact(read_checkpoint(args.init)[0], args.serve_with)
+    init_config = read_checkpoint(args.init)[0] if args.init else None
+    if init_config:
+        check_init_shape(args, init_config)
+    if init_config and args.serve_with:  # --serve-with cannot change a drafter that already exists
+        reason = why_not_exact(init_config, args.serve_with)
         if reason:
             raise DominoError(f"--init {args.init} does not export exactly to {args.serve_with}: {reason}")
     job = TrainJob(
@@ -112,9 +113,8 @@ HEAD_SHAPE = {  # read only by a new head (--head naming another head than DIR's
 }
 
 
-def check_init_shape(args) -> None:
-    """--init DIR keeps DIR's shape: a shape flag set to something else than DIR has is refused, not ignored."""
-    config = read_checkpoint(args.init)[0]
+def check_init_shape(args, config: DrafterConfig) -> None:
+    """--init DIR keeps DIR's shape (`config`): a shape flag set to something else is refused, not ignored."""
     flags = dict(INIT_SHAPE)
     if not args.head or args.head == config.head:
         flags |= HEAD_SHAPE

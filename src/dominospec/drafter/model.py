@@ -346,12 +346,16 @@ class Drafter(nn.Module):
             x = layer.forward_packed(x, cos, sin, contexts, counts)
         return self.norm(x)
 
+    def _remade(self, **fields) -> Drafter:
+        """A new, untrained drafter of this one's config with `fields` changed, on its device and dtype."""
+        config = DrafterConfig.from_dict({**self.config.to_dict(), **fields})
+        return Drafter(config).to(device=self.fc.weight.device, dtype=self.dtype)
+
     def with_head(self, head: str, **fields) -> Drafter:
         """A copy of this drafter with a new, untrained sequential head (DrafterConfig fields of the head in
         `fields`): the backbone, the confidence head and the draft vocabulary are kept; attach it to a target
         before use. What compares heads on one trained backbone."""
-        config = DrafterConfig.from_dict({**self.config.to_dict(), "head": head, **fields})
-        fresh = Drafter(config).to(device=self.fc.weight.device, dtype=self.dtype)
+        fresh = self._remade(head=head, **fields)
         kept = {k: v for k, v in self.state_dict().items() if not k.startswith("head.")}
         missing, unexpected = fresh.load_state_dict(kept, strict=False)
         assert not unexpected and all(k.startswith("head.") for k in missing), (missing, unexpected)
@@ -371,8 +375,7 @@ class Drafter(nn.Module):
             if ids.ndim != 1 or not len(ids) or ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != len(ids):
                 raise DominoError(f"a draft vocabulary must hold distinct token ids in 0..{vocab - 1}")
             ids = ids.sort().values
-        config = DrafterConfig.from_dict({**self.config.to_dict(), "draft_vocab_size": 0 if ids is None else len(ids)})
-        fresh = Drafter(config).to(device=self.fc.weight.device, dtype=self.dtype)
+        fresh = self._remade(draft_vocab_size=0 if ids is None else len(ids))
         old_ids = self.draft_vocab.cpu() if self.config.draft_vocab_size else torch.arange(vocab)
         new_ids = torch.arange(vocab) if ids is None else ids
         slot = torch.full((vocab,), -1, dtype=torch.long)
