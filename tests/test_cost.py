@@ -1,6 +1,8 @@
 """The device profile and the block-size choice that reads it."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 from conftest import tiny_drafter
@@ -76,6 +78,31 @@ def test_a_missing_profile_is_measured_once_then_reused(llama_target, tmp_path, 
     cost.save_profile(old)
     again = cost.ensure_profile(llama_target, drafter, max_k=3, report=said.append, contexts=(16,))
     assert again["draft"]["method"] == cost.DRAFT_METHOD
+
+
+def test_a_profile_too_short_for_the_block_is_measured_again(llama_target, tmp_path, monkeypatch):
+    """Protects: a stored profile timed for fewer new tokens than this run verifies (one measured for a
+    smaller block) is measured again to the run's k, saying so, instead of capping every cycle's drafts."""
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
+    said = []
+    short = cost.ensure_profile(llama_target, max_k=3, report=said.append, contexts=(16,))
+    assert short["verify"]["16"]["k"] == [1, 2, 3]
+    said.clear()
+    longer = cost.ensure_profile(llama_target, max_k=6, report=said.append, contexts=(16,))
+    assert len(said) == 1 and "reaches 3 new tokens" in said[0] and "up to 6" in said[0]
+    assert longer["verify"]["16"]["k"] == [1, 2, 3, 4, 5, 6] and cost.load_profile(llama_target) == longer
+    said.clear()
+    assert cost.ensure_profile(llama_target, max_k=4, report=said.append, contexts=(16,)) == longer and not said
+
+
+def test_the_suite_keeps_its_profiles_out_of_the_users_cache():
+    """Protects: tests time the target while the machine is loaded; those tables must never become the
+    user's stored profile (the conftest points the profile cache at a session directory)."""
+    from dominospec.io import cache_dir
+
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dominospec"
+    assert cache_dir().resolve() != home.resolve() and not (cache_dir() / "profiles").is_symlink()
+    assert cost.profile_path({}).parent == cache_dir() / "profiles"
 
 
 def test_sampling_reads_the_sampled_draft_cost(llama_target):

@@ -302,6 +302,11 @@ def load_profile(target) -> dict | None:
     return read_profile(path) if path.exists() else None
 
 
+def profile_reach(table: dict) -> int:
+    """The most new tokens every context of a profile's verify table was timed for."""
+    return min(len(row["k"]) for row in table["verify"].values())
+
+
 QUICK_CONTEXTS = (256, 1024)
 QUICK_REPEATS = 3
 
@@ -318,8 +323,9 @@ def ensure_profile(
 
     A quick profile covers k = 1..max_k at `contexts` with QUICK_REPEATS repeats (a few seconds)
     and, with a drafter, its draft cost; `dominospec profile` measures the full table. A stored
-    profile that lacks this drafter's draft cost gets it added; with batch_rows (the engine), one
-    that lacks the batched table (or has it for another drafter) gets a quick one.
+    profile timed for fewer than max_k new tokens is measured again (a quick one); one that lacks this
+    drafter's draft cost gets it added; with batch_rows (the engine), one that lacks the batched table
+    (or has it for another drafter) gets a quick one.
     """
     path = profile_path(device_fingerprint(target))
     table = None
@@ -331,13 +337,22 @@ def ensure_profile(
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
-    if table is None:
+    limit = target.max_positions
+    usable = [c for c in contexts if not limit or c + max_k <= limit] or [max(1, limit - max_k)]
+    reach = profile_reach(table) if table is not None else 0
+    if table is not None and reach < max_k and (not limit or limit > max_k):
+        # a table measured for a smaller block would silently cap every cycle at reach - 1 drafts
+        report(
+            f"{path}: the stored device profile reaches {reach} new tokens and this run verifies up to {max_k}: "
+            f"measuring a quick one to k = {max_k} (`dominospec profile --max-k {max_k}` measures the full table)"
+        )
+        table = None
+    elif table is None:
         report(
             f"no device profile for {target.name} ({getattr(target, 'backend', 'hf')}, {torch.get_num_threads()} "
             "threads) yet: measuring a quick one (a few seconds; `dominospec profile` measures the full table)"
         )
-        limit = target.max_positions
-        usable = [c for c in contexts if not limit or c + max_k <= limit] or [max(1, limit - max_k)]
+    if table is None:
         table = profile_device(target, drafter, usable, max_k, QUICK_REPEATS, progress=False)
         table["quick"] = True
         save_profile(table)
