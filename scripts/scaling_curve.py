@@ -73,7 +73,7 @@ def run_facts(run: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="train --out directories: the curve's points")
+    ap.add_argument("runs", nargs="*", type=Path, help="train --out directories: the curve's points")
     ap.add_argument("--also", nargs="*", type=Path, default=[], help="more drafters for the table, not the curve")
     ap.add_argument("--data", default="data/smollm2-135m", help="the data set whose held-out split judges all runs")
     ap.add_argument("--val-fraction", type=float, default=0.05)
@@ -83,6 +83,8 @@ def main() -> None:
     ap.add_argument("--bench-limit", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=96, help="greedy answer length of the eval-like prompts")
     args = ap.parse_args()
+    if not args.runs and not args.also:
+        ap.error("give train --out directories (the curve's points), --also drafter directories, or both")
     torch.set_num_threads(1)
     target = Target.load("smollm2-135m", device="cpu", dtype="float32")
     remember_features(target)
