@@ -1,8 +1,6 @@
 """The device profile and the block-size choice that reads it."""
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 from conftest import tiny_drafter
@@ -95,14 +93,15 @@ def test_a_profile_too_short_for_the_block_is_measured_again(llama_target, tmp_p
     assert cost.ensure_profile(llama_target, max_k=4, report=said.append, contexts=(16,)) == longer and not said
 
 
-def test_the_suite_keeps_its_profiles_out_of_the_users_cache():
+def test_the_suite_keeps_its_profiles_out_of_the_users_cache(private_profile_cache):
     """Protects: tests time the target while the machine is loaded; those tables must never become the
-    user's stored profile (the conftest points the profile cache at a session directory)."""
+    user's stored profile (the conftest points the cache at a session directory, sharing only models,
+    kernels and tokenizers with the user's)."""
     from dominospec.io import cache_dir
 
-    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dominospec"
-    assert cache_dir().resolve() != home.resolve() and not (cache_dir() / "profiles").is_symlink()
+    assert cache_dir() == private_profile_cache and (cache_dir() / "models").is_symlink()
     assert cost.profile_path({}).parent == cache_dir() / "profiles"
+    assert not (cache_dir() / "profiles").is_symlink()
 
 
 def test_sampling_reads_the_sampled_draft_cost(llama_target):
