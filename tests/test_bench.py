@@ -169,6 +169,13 @@ def test_bench_reports_the_profiles_prediction_next_to_the_measured_cycle(tmp_pa
     assert m["domino-2L-b4"]["profile_verify_ms_per_cycle"] > 10 and m["domino-2L-b4"]["profile_draft_ms_per_cycle"] > 0
     assert m["ar"]["profile_decode_ms_per_step"] == pytest.approx(10)
     assert "(profile)" in (tmp_path / "report.md").read_text()
+    cfg = json.loads((tmp_path / "results.json").read_text())["config"]
+    assert cfg["device_profile"] == "full" and not any("quick" in n for n in cfg["notes"])
+    profile["quick"] = True  # one timed with few repeats on first use: the results say so
+    methods, _ = bench_methods.build_methods(("ar",), [])
+    runner.benchmark(llama_target, DATASETS, methods, tmp_path, max_new_tokens=4, progress=False, plots=False)
+    cfg = json.loads((tmp_path / "results.json").read_text())["config"]
+    assert cfg["device_profile"] == "quick" and any("is a quick one" in n for n in cfg["notes"])
 
 
 def test_one_drafter_in_several_weight_formats_gets_a_method_per_format(llama_target, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 import json
 import random
+import types
 
 import pytest
 import torch
@@ -359,3 +360,19 @@ def test_walk_skips_by_accepted_drafts_and_restarts_at_the_next_answer():
     hit[4, :3] = True  # at 10: three accepted -> 14, past the end
     assert walked_rows(anchors, hit) == [0, 2, 4]
     assert walked_rows(anchors, torch.zeros(7, 3, dtype=torch.bool)) == list(range(7))  # control: no skips
+
+
+@pytest.mark.parametrize(
+    ("total", "every", "steps"),
+    [(1383, 460, [460, 920, 1383]), (1500, 460, [460, 920, 1380, 1500]), (4, 1, [1, 2, 3, 4]), (7, 3, [3, 6, 7])],
+)
+def test_validation_steps_skip_an_interval_just_before_the_last(total, every, steps):
+    """Step 1380 of 1383 is not validated (the final validation, 3 steps later, would nearly repeat it);
+    an interval's step further from the end is, and the last step always is."""
+    run = types.SimpleNamespace(total=total, cfg=types.SimpleNamespace(val_every=every))
+    chosen = []
+    for step in range(1, total + 1):
+        run.step = step
+        if Trainer._validate_now(run):
+            chosen.append(step)
+    assert chosen == steps

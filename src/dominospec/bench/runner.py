@@ -211,6 +211,11 @@ def benchmark(
             "no stored device profile for this target and thread count: run `dominospec profile` to see "
             "its predicted draft / verify ms per cycle next to the measured ones"
         )
+    elif profile.get("quick"):
+        notes.append(
+            "the stored device profile (read by --verify cost and the predicted ms) is a quick one, timed with "
+            "few repeats when first needed: `dominospec profile` measures the full table"
+        )
     add_profile_prediction(summary["methods"], runs, methods, profile)
     if compare and target.dtype not in (torch.float32, torch.float64):
         # reduced precision: a mismatch is acceptable only where the target itself was near a tie
@@ -238,6 +243,7 @@ def benchmark(
         "interleaved": True,
         "methods": [m.describe() for m in methods],
         "datasets": {ds: len(p) for ds, p in datasets.items()},
+        "device_profile": None if profile is None else ("quick" if profile.get("quick") else "full"),
         "versions": _versions(),
         "wall_s": round(time.time() - t0, 2),
         "notes": notes,

@@ -821,7 +821,7 @@ class Trainer:
             if self.dist.main:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(rec) + "\n")
-            if self.validator is not None and (self.step % self.cfg.val_every == 0 or self.step == self.total):
+            if self.validator is not None and self._validate_now():
                 val = self.validate()
                 if self.dist.main:
                     with open(metrics_path, "a") as f:
@@ -840,6 +840,13 @@ class Trainer:
             self.write_drafter()
             plot_metrics(metrics_path, self.out / "training.png")
         return last
+
+    def _validate_now(self) -> bool:
+        """Validate every val_every steps and at the last step, but not at an interval's step a tenth of an
+        interval or less before the last one: the final validation follows it a few steps later."""
+        if self.step == self.total:
+            return True
+        return self.step % self.cfg.val_every == 0 and self.total - self.step > self.cfg.val_every // 10
 
     def validate(self) -> dict:
         """Measure the held-out acceptance now, keep the drafter if it is the best so far; the metrics record."""
