@@ -22,6 +22,7 @@ from dominospec.bench.metrics import (
 )
 from dominospec.cli import bench as bench_cli
 from dominospec.data.prompts import read_first_turns
+from dominospec.decode import CostTable
 from dominospec.decode.result import tokens_per_cycle as tau
 from dominospec.errors import DominoError
 from dominospec.tune.profile import profile_verify_cost
@@ -293,6 +294,23 @@ def test_method_selection_errors_and_notes(llama_target):
     methods, notes = bench_methods.build_methods(["drafters"], [("a", d), ("b", d)], block_size=9)
     assert [m.name for m in methods] == ["ar", "domino-2L-b4", "b:domino-2L-b4"]
     assert methods[1].block_size == 4 and any("above" in n for n in notes)
+
+
+def test_an_uncalibrated_drafter_is_named_once_in_the_notes(llama_target, tmp_path):
+    """Protects: with two drafters lacking calibration.json, the notes name each drafter's directory once,
+    though each drafter's cost policy is built for two methods (alone and with prompt lookup)."""
+    drafters = []
+    for name in ("a", "b"):
+        d = tiny_drafter(llama_target, block_size=4, confidence=True)
+        d.directory = tmp_path / name
+        drafters.append((name, d))
+    costs = CostTable({0: [1.0, 1.1, 1.2, 1.3, 1.4]})
+    methods, notes = bench_methods.build_methods(["drafters", "hybrid"], drafters, verify=("cost",), costs=costs)
+    assert len(methods) == 5  # ar, then each drafter alone and with lookup
+    for name in ("a", "b"):
+        named = [n for n in notes if f"no calibration.json in {tmp_path / name}:" in n]
+        assert len(named) == 1, notes
+    assert not any("next to the drafter" in n for n in notes)
 
 
 def test_bench_parser_defaults():

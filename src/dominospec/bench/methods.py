@@ -335,6 +335,11 @@ def build_methods(
             "no drafter given and none is shipped for this target: drafter methods skipped (pass --drafter DIR)"
         )
 
+    def note_once(note: str) -> None:
+        # a drafter's policy is built for each of its methods (alone, hybrid): one note says it
+        if note not in notes:
+            notes.append(note)
+
     def with_policies(name: str, drafter, b: int | None, lookup: bool) -> list[tuple[str, VerifyPolicy]]:
         out = []
         for mode in verify:
@@ -347,7 +352,7 @@ def build_methods(
                     costs=costs,
                     block_size=b,
                     lookup=lookup,
-                    report=notes.append,
+                    report=note_once,
                 )
             except DominoError as exc:
                 notes.append(f"{name}-{mode}: skipped ({exc})")

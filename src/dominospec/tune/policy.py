@@ -31,8 +31,9 @@ def load_calibration(drafter) -> tuple[list[float] | None, str]:
     """(STS temperatures, a note) from calibration.json next to the drafter; (None, why) when absent."""
     path = sidecar_path(drafter, CALIBRATION_NAME)
     if path is None or not path.exists():
+        where = f"in {path.parent}" if path is not None else "for a drafter built in memory"
         return None, (
-            f"no {CALIBRATION_NAME} next to the drafter: raw confidences are used (temperatures 1); "
+            f"no {CALIBRATION_NAME} {where}: raw confidences are used (temperatures 1); "
             "run `dominospec calibrate` to calibrate them"
         )
     data = read_json_object(path, "a calibration file")
