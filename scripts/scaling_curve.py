@@ -26,7 +26,7 @@ from dominospec.bench.runner import load_prompt_sets
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.drafter import Drafter
 from dominospec.targets import Target
-from dominospec.train.validate import Validator, ValResult, greedy_answer_samples, split_validation
+from dominospec.train.validate import Validator, ValResult, conversation_of, greedy_answer_samples, split_validation
 
 
 def remember_features(target) -> None:
@@ -82,14 +82,29 @@ def main() -> None:
     ap.add_argument("--eval-like", action="store_true", help="also judge on held-out eval-like prompts (above)")
     ap.add_argument("--bench-limit", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=96, help="greedy answer length of the eval-like prompts")
+    ap.add_argument(
+        "--train-band",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="also judge on trained conversations, those whose id hash falls in [--val-fraction, --val-fraction + F): "
+        "the fit on seen data beside the held-out one (a gap near zero: the drafter is too small or undertrained "
+        "for more data of the same kind to pay)",
+    )
     args = ap.parse_args()
     if not args.runs and not args.also:
         ap.error("give train --out directories (the curve's points), --also drafter directories, or both")
     torch.set_num_threads(1)
     target = Target.load("smollm2-135m", device="cpu", dtype="float32")
     remember_features(target)
-    _, val = split_validation(load_dataset_dir(args.data, target=target)[1], args.val_fraction)
+    samples = load_dataset_dir(args.data, target=target)[1]
+    _, val = split_validation(samples, args.val_fraction)
     validator = Validator(target, val, walk=True)
+    band_validator = None
+    if args.train_band > 0:
+        held = {conversation_of(s) for s in val}
+        _, wider = split_validation(samples, args.val_fraction + args.train_band)
+        band_validator = Validator(target, [s for s in wider if conversation_of(s) not in held], walk=True)
     like_sets = {}
     if args.eval_like:  # one validator per eval set (by category); the overall figure sums their counts
         sets = load_prompt_sets(sorted(str(p) for p in Path("prompts").glob("eval-*.jsonl")), target)
@@ -106,6 +121,9 @@ def main() -> None:
         drafter = Drafter.from_pretrained(run, target=target).float()
         result = validator.evaluate(drafter)
         row.update(val_tau=round(result.tau, 4), p1=round(result.conditional[0] or 0.0, 4), val_blocks=result.blocks)
+        if band_validator is not None:
+            fit = band_validator.evaluate(drafter)
+            row.update(train_band_tau=round(fit.tau, 4), train_band_p1=round(fit.conditional[0] or 0.0, 4))
         if like_sets:
             by_set = {name: v.evaluate(drafter) for name, v in like_sets.items()}
             r = ValResult(
@@ -123,11 +141,18 @@ def main() -> None:
             f"tau {row['val_tau']:.3f}  p1 {row['p1']:.3f}  (at training: {row.get('train_val_tau')})  "
             f"train CPU-h {row.get('train_cpu_h')}"
             + (f"  eval-like tau {row['eval_like_tau']:.3f}" if like_sets else "")
+            + (
+                f"  trained band tau {row['train_band_tau']:.3f} p1 {row['train_band_p1']:.3f}"
+                if band_validator
+                else ""
+            )
         )
         for name, r in row.get("eval_like_by_set", {}).items():
             print(f"    eval-like {name:<10} tau {r['tau']:.3f}  p1 {r['p1']:.3f}")
     print(markdown(rows))
     table = {"data": args.data, "held_out": len(val), "walk": True, "runs": rows}
+    if band_validator is not None:
+        table["train_band"] = len(band_validator.samples)
     if args.json:
         args.json.write_text(json.dumps(table, indent=1) + "\n")
     if args.plot:
