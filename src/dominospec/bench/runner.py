@@ -206,12 +206,13 @@ def benchmark(
     except DominoError as exc:
         profile = None
         notes.append(f"the device profile was not read ({exc}): no predicted draft / verify ms")
+    profile_kind = None if profile is None else ("quick" if profile.get("quick") else "full")
     if profile is None:
         notes.append(
             "no stored device profile for this target and thread count: run `dominospec profile` to see "
             "its predicted draft / verify ms per cycle next to the measured ones"
         )
-    elif profile.get("quick"):
+    elif profile_kind == "quick":
         notes.append(
             "the stored device profile (read by --verify cost and the predicted ms) is a quick one, timed with "
             "few repeats when first needed: `dominospec profile` measures the full table"
@@ -243,7 +244,7 @@ def benchmark(
         "interleaved": True,
         "methods": [m.describe() for m in methods],
         "datasets": {ds: len(p) for ds, p in datasets.items()},
-        "device_profile": None if profile is None else ("quick" if profile.get("quick") else "full"),
+        "device_profile": profile_kind,
         "versions": _versions(),
         "wall_s": round(time.time() - t0, 2),
         "notes": notes,
