@@ -10,6 +10,8 @@ DOMINOSPEC_BF16_DOT=on) next to fp32, and a second table: GB/s, the bytes each k
 panels, plus int8's column scales) over its median time, to set against the machine's streaming
 bandwidth (the `read` column: torch.sum over a buffer of the fp32 weights' size, same threads).
 `--formats float32,bfloat16,int8,bfloat16-dot --only-kernels` times the kernels (and `read`) alone.
+`--baseline LIB.so` adds the same formats on another build of the kernel (say, the cached build of an
+earlier source: `$DOMINOSPEC_CACHE/kernels/small_m_linear_<key>/*.so`), interleaved with this one's.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from dominospec.devices import cpu_model
-from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kernels
+from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, import_library, load_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -37,6 +40,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--formats", default="float32", help="kernel weight formats: float32,bfloat16,int8,bfloat16-dot")
     ap.add_argument("--only-kernels", action="store_true", help="leave out the library paths")
+    ap.add_argument("--baseline", default=None, help="a built kernel library (.so) to time beside this one")
     ap.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -49,12 +53,15 @@ def main() -> None:
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    module = load_kernels()
+    modules = {"": load_kernels()}
+    if args.baseline:
+        modules["baseline-"] = import_library(Path(args.baseline))
     weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
     kernels = {}
     for fmt in args.formats.split(","):
         os.environ[BF16_DOT_SWITCH] = "on" if fmt == "bfloat16-dot" else "off"
-        kernels[fmt] = [PackedLinear(module, w, None, fmt.removesuffix("-dot")) for w in weights]
+        for prefix, module in modules.items():
+            kernels[prefix + fmt] = [PackedLinear(module, w, None, fmt.removesuffix("-dot")) for w in weights]
     os.environ[BF16_DOT_SWITCH] = "off"
     streamed = {f"kernel-{fmt}": sum(k.nbytes for k in ks) for fmt, ks in kernels.items()}
     # the machine's streaming bandwidth on the same thread count: one read of a buffer as large as the fp32 weights

@@ -104,6 +104,30 @@ def test_a_rows_output_does_not_depend_on_how_many_rows_share_the_call(bias, ker
                 assert torch.equal(lin(shuffled)[3], batch[r])
 
 
+def test_a_rows_output_does_not_depend_on_the_thread_count(kernels, monkeypatch):
+    """Protects: how many adjacent panels a row group walks at once depends on the rows and the threads
+    (AVX2 walks up to four for one row, fewer where threads would go short of work), never the order
+    of an output element's sum: 1, 2 and 3 threads give the same bits in every format, including a
+    ragged last block of panels."""
+    g = torch.Generator().manual_seed(2)
+    threads = torch.get_num_threads()
+    try:
+        for fmt in kernel_formats(kernels):
+            for n, k in [(100, 37), (7 * kernels.panel_width() + 3, 64), (960, 576)]:
+                lin = packed(kernels, torch.randn(n, k, generator=g), torch.randn(n, generator=g), fmt, monkeypatch)
+                x = torch.randn(9, k, generator=g)
+                outputs = {}
+                for t in (1, 2, 3):
+                    torch.set_num_threads(t)
+                    outputs[t] = [lin(x[:m]) for m in (1, 2, 3, 9)]
+                for t in (2, 3):
+                    for a, b in zip(outputs[1], outputs[t]):
+                        assert torch.equal(a, b), (fmt, n, k, t)
+                assert torch.equal(outputs[1][0], outputs[1][3][:1])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_int8_groups_take_the_better_grid_and_hold_8_and_4_bit_blocks_exactly():
     """Protects: int8 per output channel and group of 32 inputs: every weight within half a step of its group's
     grid, a ragged last group and an all-zero group work, 8-bit symmetric blocks (Q8_0-like) and 4-bit affine

@@ -62,9 +62,14 @@ def kernel_dir() -> Path:
 
 def _import_built(name: str, directory: Path):
     so = next(iter(sorted(directory.glob(f"{name}*.so"))), None)
-    if so is None:
-        return None
-    spec = importlib.util.spec_from_file_location(name, so)
+    return None if so is None else import_library(so)
+
+
+def import_library(so: Path):
+    """A built kernel library, imported from its file (its module name is the file's stem)."""
+    if not so.is_file():
+        raise FileNotFoundError(f"no kernel library at {so}")
+    spec = importlib.util.spec_from_file_location(so.name.split(".")[0], so)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -36,6 +36,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -53,8 +54,32 @@ constexpr int MR = 4;
 #endif
 constexpr int NV = 2;  // vectors per panel row
 constexpr int NR = VW * NV;  // panel width (output columns)
+
+// With AVX2's 16 registers a group of one to three rows holds only 2 to 6 accumulators per panel: too
+// few independent FMA chains to hide the FMA latency (4-5 cycles, two pipes), so a decode step there was
+// bound by latency, not by memory. Such groups walk up to NPMAX adjacent panels at once (more columns,
+// more chains), and int8 keeps its running totals in memory (touched once per group of k), which leaves
+// the registers to the partial sums: MR rows per group in int8 too. Neither changes the order of any
+// output element's sum. AVX-512's 32 registers need neither (NPMAX 1, totals in registers).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int NPMAX = 4;
+constexpr bool I8_TOTALS_IN_MEMORY = true;
+#else
+constexpr int NPMAX = 1;
+constexpr bool I8_TOTALS_IN_MEMORY = false;
+#endif
+
+// Panels walked at once by a group of R rows where NPMAX allows: 8 accumulators for one or two rows
+// (int8, whose two rows ran slower on two panels: one row only)
+constexpr int panels_for(int R, bool i8) { return std::min(NPMAX, R == 1 ? 4 : R == 2 && !i8 ? 2 : 1); }
 constexpr int PREFETCH = 8;  // panel rows ahead
 constexpr int64_t CHUNK = 64;  // rows per work item
+
+// How far ahead a panel is prefetched: PREFETCH rows, and on AVX2 at least PREFETCH_BYTES (an int8 row
+// of 16 bytes is a quarter of a cache line: 8 rows ahead was two lines)
+constexpr int PREFETCH_BYTES = NPMAX > 1 ? 512 : 0;
+template <typename T>
+constexpr int64_t ahead() { return std::max<int64_t>(PREFETCH, PREFETCH_BYTES / (NR * sizeof(T))) * NR; }
 
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
@@ -116,11 +141,11 @@ inline void prefetch_row(const void* row, int bytes) {
   for (int b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
 }
 
-// acc [R][NV] -> y rows, plus the bias, only the ncols real columns
-template <int R>
-inline void store(vf (&acc)[R][NV], float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias) {
+// acc [R][NVP] -> y rows, plus the bias, only the ncols real columns
+template <int R, int NVP = NV>
+inline void store(vf (&acc)[R][NVP], float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias) {
   for (int r = 0; r < R; ++r) {
-    alignas(64) float out[NR];
+    alignas(64) float out[NVP * VW];
     std::memcpy(out, acc[r], sizeof(out));
     float* yr = y + r * ldy;
     if (bias != nullptr)
@@ -130,66 +155,87 @@ inline void store(vf (&acc)[R][NV], float* __restrict y, int64_t ldy, int64_t nc
   }
 }
 
-template <typename Fmt, int R>
-void panel(const float* __restrict x, int64_t ldx, const typename Fmt::T* __restrict wp, int64_t K,
-           float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, const float*, const float*,
-           int64_t) {
-  vf acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
+// One k of NP panels for R rows: acc[r][j * NV + v] += w[j][k][v] * x[r][k], one FMA each. With one
+// panel, its NV weight vectors are loaded first and each row's x is broadcast in turn (R x NV
+// accumulators + NV + 1 registers); with several, the rows' x are broadcast first and every weight
+// vector goes straight into its R FMAs (R x NV x NP + R + 1), so that nothing spills.
+template <typename Fmt, int R, int NP>
+inline void step(vf (&acc)[R][NV * NP], const float* __restrict x, int64_t ldx, const typename Fmt::T* __restrict wp,
+                 int64_t wstride, int64_t k) {
+  if constexpr (NP == 1) {
     const typename Fmt::T* wk = wp + k * NR;
-    prefetch_row(wk + PREFETCH * NR, NR * sizeof(typename Fmt::T));
+    prefetch_row(wk + ahead<typename Fmt::T>(), NR * sizeof(typename Fmt::T));
     vf w[NV];
     for (int v = 0; v < NV; ++v) w[v] = Fmt::widen(wk + v * VW);
     for (int r = 0; r < R; ++r) {
       const float xs = x[r * ldx + k];
       for (int v = 0; v < NV; ++v) acc[r][v] += w[v] * xs;  // contracted to one FMA
     }
-  }
-  store<R>(acc, y, ldy, ncols, bias);
-}
-
-// int8 panel; so [ceil(K / G)][2][NR]: each group's scales, then its offsets; xsum [R][ceil(K / G)]:
-// each row's sum of x over each group. Per group, R x NV partial sums, then acc += part * s + o * xsum.
-// Twice the accumulators of panel<>, so at most MR_I8 rows per group.
-template <int R>
-void panel_i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict wp, int64_t K, float* __restrict y,
-              int64_t ldy, int64_t ncols, const float* __restrict bias, const float* __restrict so,
-              const float* __restrict xsum, int64_t G) {
-  const int64_t groups = (K + G - 1) / G;
-  vf acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
-  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
-    vf part[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) part[r][v] = vf{};
-    const int64_t k1 = std::min(K, k0 + G);
-    for (int64_t k = k0; k < k1; ++k) {
-      const int8_t* wk = wp + k * NR;
-      prefetch_row(wk + PREFETCH * NR, NR);
-      vf w[NV];
-      for (int v = 0; v < NV; ++v) w[v] = I8::widen(wk + v * VW);
-      for (int r = 0; r < R; ++r) {
-        const float xs = x[r * ldx + k];
-        for (int v = 0; v < NV; ++v) part[r][v] += w[v] * xs;  // one FMA
+  } else {
+    vf xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = x[r * ldx + k] - vf{};  // a broadcast (x - 0 is x, -0 included)
+    for (int j = 0; j < NP; ++j) {
+      const typename Fmt::T* wk = wp + j * wstride + k * NR;
+      prefetch_row(wk + ahead<typename Fmt::T>(), NR * sizeof(typename Fmt::T));
+      for (int v = 0; v < NV; ++v) {
+        const vf w = Fmt::widen(wk + v * VW);
+        for (int r = 0; r < R; ++r) acc[r][j * NV + v] += w * xs[r];
       }
     }
-    vf sg[NV], og[NV];
-    for (int v = 0; v < NV; ++v) {
-      sg[v] = F32::widen(so + g * 2 * NR + v * VW);
-      og[v] = F32::widen(so + g * 2 * NR + NR + v * VW);
-    }
+  }
+}
+
+// NP adjacent panels (wstride elements apart) for R rows: y columns [0, NP * NR), only ncols stored
+template <typename Fmt, int R, int NP>
+void panel(const float* __restrict x, int64_t ldx, const typename Fmt::T* __restrict wp, int64_t wstride, int64_t K,
+           float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, const float*, int64_t,
+           const float*, int64_t) {
+  constexpr int NVP = NV * NP;
+  vf acc[R][NVP];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NVP; ++v) acc[r][v] = vf{};
+  for (int64_t k = 0; k < K; ++k) step<Fmt, R, NP>(acc, x, ldx, wp, wstride, k);
+  store<R, NVP>(acc, y, ldy, ncols, bias);
+}
+
+// int8 panels; so [ceil(K / G)][2][NR] per panel (sstride floats apart): each group's scales, then its
+// offsets; xsum [R][ceil(K / G)]: each row's sum of x over each group. Per group, R x NV partial sums,
+// then total += part * s + o * xsum. The totals sit in registers (at most MR / 2 rows a group) or, where
+// registers are few, in memory (MR rows).
+template <int R, int NP>
+void panel_i8(const float* __restrict x, int64_t ldx, const int8_t* __restrict wp, int64_t wstride, int64_t K,
+              float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias, const float* __restrict so,
+              int64_t sstride, const float* __restrict xsum, int64_t G) {
+  constexpr int NVP = NV * NP;
+  const int64_t groups = (K + G - 1) / G;
+  vf acc[R][NVP];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NVP; ++v) acc[r][v] = vf{};
+  // totals and partial sums in registers where they fit (at most MR / 2 rows of one panel), else totals in memory
+  constexpr bool in_memory = I8_TOTALS_IN_MEMORY && (NP > 1 || R > MR / 2);
+  if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, ++g) {
+    vf part[R][NVP];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NVP; ++v) part[r][v] = vf{};
+    const int64_t k1 = std::min(K, k0 + G);
+    for (int64_t k = k0; k < k1; ++k) step<I8, R, NP>(part, x, ldx, wp, wstride, k);
+    vf sg[NVP], og[NVP];
+    for (int j = 0; j < NP; ++j)
+      for (int v = 0; v < NV; ++v) {
+        sg[j * NV + v] = F32::widen(so + j * sstride + g * 2 * NR + v * VW);
+        og[j * NV + v] = F32::widen(so + j * sstride + g * 2 * NR + NR + v * VW);
+      }
     for (int r = 0; r < R; ++r) {
       const float xg = xsum[r * groups + g];
-      for (int v = 0; v < NV; ++v) {
+      for (int v = 0; v < NVP; ++v) {
         acc[r][v] += part[r][v] * sg[v];  // one FMA each
         acc[r][v] += og[v] * xg;
       }
     }
+    if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   }
-  store<R>(acc, y, ldy, ncols, bias);
+  store<R, NVP>(acc, y, ldy, ncols, bias);
 }
 
 #ifdef DOMINOSPEC_BF16_DOT
@@ -220,60 +266,89 @@ void panel_dot(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __rest
 }
 #endif
 
-// One row group through one panel: (x rows, ldx, panel, K, y, ldy, ncols, bias, and for int8: the
-// panel's scales and offsets, the rows' group sums of x, the group size)
+// One row group through NP adjacent panels: (x rows, ldx, first panel, elements from one panel to the
+// next, K, y, ldy, ncols, bias, and for int8: the first panel's scales and offsets, floats from one
+// panel's to the next, the rows' group sums of x, the group size)
 template <typename X, typename T>
-using PanelFn = void (*)(const X*, int64_t, const T*, int64_t, float*, int64_t, int64_t, const float*,
-                         const float*, const float*, int64_t);
+using PanelFn = void (*)(const X*, int64_t, const T*, int64_t, int64_t, float*, int64_t, int64_t, const float*,
+                         const float*, int64_t, const float*, int64_t);
 
-template <typename Fmt, int... Rs>
-constexpr auto make_table(std::integer_sequence<int, Rs...>) {
-  return std::array<PanelFn<float, typename Fmt::T>, sizeof...(Rs)>{&panel<Fmt, Rs + 1>...};
+// table[np - 1][R - 1]; np is at most panels_for(R) (a wider entry is never called, so it repeats np = 1)
+template <int NT, typename X, typename T, template <int, int> class Kernel, int NP, int... Rs>
+constexpr std::array<PanelFn<X, T>, NT> table_row(std::integer_sequence<int, Rs...>) {
+  constexpr bool i8 = std::is_same_v<T, int8_t>;
+  return {{Kernel<Rs + 1, (NP <= panels_for(Rs + 1, i8) ? NP : 1)>::run...}};
 }
-const auto PANELS_F32 = make_table<F32>(std::make_integer_sequence<int, MR>{});
-const auto PANELS_BF16 = make_table<BF16>(std::make_integer_sequence<int, MR>{});
-constexpr int MR_I8 = MR / 2;  // panel_i8 holds two sets of accumulators
+template <int NT, typename X, typename T, template <int, int> class Kernel, int... Ps>
+constexpr std::array<std::array<PanelFn<X, T>, NT>, NPMAX> make_table(std::integer_sequence<int, Ps...>) {
+  return {{table_row<NT, X, T, Kernel, Ps + 1>(std::make_integer_sequence<int, NT>{})...}};
+}
 
-template <int... Rs>
-constexpr auto make_i8_table(std::integer_sequence<int, Rs...>) {
-  return std::array<PanelFn<float, int8_t>, sizeof...(Rs)>{&panel_i8<Rs + 1>...};
-}
-const auto PANELS_I8 = make_i8_table(std::make_integer_sequence<int, MR_I8>{});
+template <typename Fmt>
+struct Panel {
+  template <int R, int NP>
+  struct K {
+    static constexpr PanelFn<float, typename Fmt::T> run = &panel<Fmt, R, NP>;
+  };
+};
+template <int R, int NP>
+struct PanelI8 {
+  static constexpr PanelFn<float, int8_t> run = &panel_i8<R, NP>;
+};
+
+// int8 holds partial sums and totals: with the totals in memory, as many rows as fp32
+constexpr int MR_I8 = I8_TOTALS_IN_MEMORY ? MR : MR / 2;
+constexpr auto NPS = std::make_integer_sequence<int, NPMAX>{};
+const auto PANELS_F32 = make_table<MR, float, float, Panel<F32>::K>(NPS);
+const auto PANELS_BF16 = make_table<MR, float, uint16_t, Panel<BF16>::K>(NPS);
+const auto PANELS_I8 = make_table<MR_I8, float, int8_t, PanelI8>(NPS);
 
 #ifdef DOMINOSPEC_BF16_DOT
-template <int R>
-void panel_dot_fn(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t K2, float* y, int64_t ldy,
-                  int64_t ncols, const float* bias, const float*, const float*, int64_t) {
-  panel_dot<R>(x, ldx, wp, K2, y, ldy, ncols, bias);
-}
-template <int... Rs>
-constexpr auto make_dot_table(std::integer_sequence<int, Rs...>) {
-  return std::array<PanelFn<uint16_t, uint16_t>, sizeof...(Rs)>{&panel_dot_fn<Rs + 1>...};
-}
-const auto PANELS_DOT = make_dot_table(std::make_integer_sequence<int, MR>{});
+template <int R, int NP>
+struct PanelDot {
+  static void run(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t, int64_t K2, float* y, int64_t ldy,
+                  int64_t ncols, const float* bias, const float*, int64_t, const float*, int64_t) {
+    static_assert(NP == 1, "the bf16 dot product walks one panel at a time");
+    panel_dot<R>(x, ldx, wp, K2, y, ldy, ncols, bias);
+  }
+};
+const auto PANELS_DOT = make_table<MR, uint16_t, uint16_t, PanelDot>(NPS);
 #endif
 
-// Work items: (panel, chunk of at most CHUNK rows), consecutive items sharing a panel, so prefill's
-// many rows spread over threads too; each chunk is split into balanced row groups of at most NT rows.
-// The row grouping changes which rows share registers, never the order of any row's sum.
+// Work items: (block of adjacent panels, chunk of at most CHUNK rows), consecutive items sharing a block,
+// so prefill's many rows spread over threads too; each chunk is split into balanced row groups of at
+// most NT rows, and each group walks its block np panels at a time (panels_for, fewer where the threads
+// would otherwise go short of blocks). The row grouping and np change which rows and columns share
+// registers, never the order of any output element's sum.
 template <typename X, typename T, size_t NT>
-void run_panels(const std::array<PanelFn<X, T>, NT>& panels, const X* xp, int64_t ldx, const T* wp,
-                int64_t panel_elems, int64_t Kp, float* yp, int64_t M, int64_t N, int64_t P, const float* b,
-                const float* so = nullptr, const float* xsum = nullptr, int64_t group = 0) {
+void run_panels(const std::array<std::array<PanelFn<X, T>, NT>, NPMAX>& panels, const X* xp, int64_t ldx,
+                const T* wp, int64_t panel_elems, int64_t Kp, float* yp, int64_t M, int64_t N, int64_t P,
+                const float* b, const float* so = nullptr, const float* xsum = nullptr, int64_t group = 0) {
   const int64_t groups = group > 0 ? (Kp + group - 1) / group : 0;
+  const int64_t sstride = groups * 2 * NR;
   const int64_t chunks = (M + CHUNK - 1) / CHUNK;
-  at::parallel_for(0, P * chunks, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t first_rows = std::min<int64_t>(CHUNK, M);
+  const int64_t widest = (first_rows + ((first_rows + NT - 1) / NT) - 1) / ((first_rows + NT - 1) / NT);
+  const int64_t per_thread = std::max<int64_t>(1, P / std::max<int64_t>(1, at::get_num_threads()));
+  constexpr bool i8 = std::is_same_v<T, int8_t>;
+  const int64_t block = std::min<int64_t>(panels_for(static_cast<int>(widest), i8), per_thread);
+  const int64_t blocks = (P + block - 1) / block;
+  at::parallel_for(0, blocks * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = i / chunks, c = i % chunks;
-      const int64_t col = p * NR, ncols = std::min<int64_t>(NR, N - col);
-      const T* w = wp + p * panel_elems;
+      const int64_t p_first = (i / chunks) * block, p_end = std::min(P, p_first + block), c = i % chunks;
       const int64_t first = c * CHUNK, rows_here = std::min<int64_t>(CHUNK, M - first);
       const int64_t row_groups = (rows_here + NT - 1) / NT;
       int64_t m0 = first;
       for (int64_t g = 0; g < row_groups; ++g) {
         const int64_t rows = (first + rows_here - m0) / (row_groups - g);
-        panels[rows - 1](xp + m0 * ldx, ldx, w, Kp, yp + m0 * N + col, N, ncols, b ? b + col : nullptr,
-                         so ? so + p * groups * 2 * NR : nullptr, xsum ? xsum + m0 * groups : nullptr, group);
+        const int64_t step = std::min<int64_t>(panels_for(static_cast<int>(rows), i8), block);
+        for (int64_t p = p_first; p < p_end; p += step) {
+          const int64_t np = std::min(step, p_end - p);
+          const int64_t col = p * NR, ncols = std::min<int64_t>(np * NR, N - col);
+          panels[np - 1][rows - 1](xp + m0 * ldx, ldx, wp + p * panel_elems, panel_elems, Kp, yp + m0 * N + col, N,
+                                   ncols, b ? b + col : nullptr, so ? so + p * sstride : nullptr, sstride,
+                                   xsum ? xsum + m0 * groups : nullptr, group);
+        }
         m0 += rows;
       }
     }
