@@ -55,6 +55,23 @@ def test_profile_and_auto_block_size_round_trip(llama_target, tmp_path, monkeypa
     assert 0 <= b <= 4 and "chose" in note
 
 
+def test_a_profile_belongs_to_the_kernel_build_it_was_timed_with(llama_target, tmp_path, monkeypatch):
+    """Protects: a profile stored before the small-row kernel's source changed (another build key), or
+    with the kernel switched off, is not read for today's kernel: verify and decode cost otherwise."""
+    from dominospec.targets import kernels
+
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
+    cost.ensure_profile(llama_target, max_k=2, report=lambda _: None, contexts=(16,))
+    assert cost.load_profile(llama_target) is not None
+    monkeypatch.setattr(kernels, "build_key", lambda: "another-source")
+    assert cost.load_profile(llama_target) is None
+    monkeypatch.undo()
+    monkeypatch.setenv("DOMINOSPEC_CACHE", str(tmp_path))
+    assert cost.load_profile(llama_target) is not None
+    monkeypatch.setenv(kernels.ENV_SWITCH, "off")
+    assert cost.device_fingerprint(llama_target)["kernel"] == "off" and cost.load_profile(llama_target) is None
+
+
 def test_a_missing_profile_is_measured_once_then_reused(llama_target, tmp_path, monkeypatch):
     """Protects: first use measures a short profile (saying so in one line) and stores it; the
     second use reads the stored one without measuring."""

@@ -515,9 +515,9 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 // Attention over the KV cache for a few new tokens per row (decode and verify), each query on its own.
 //
 // Query j of row b sits at position starts[b] + j and reads keys 0..starts[b] + j. Its score with key t
-// is the dot product over D in one fixed order (with AVX-512 and D a multiple of 16: per key, VW lanes of
-// partial sums over d, then a fixed tree of lane shuffles that sums 16 keys' lanes at once; else one FMA
-// per d in order); its softmax takes the max, the exponentials and their sum in key order, and its output
+// is the dot product over D in one fixed order (with AVX-512 or AVX and D a multiple of VW: per key, VW
+// lanes of partial sums over d, then a fixed tree of lane shuffles that sums VW keys' lanes at once; else
+// one FMA per d in order); its softmax takes the max, the exponentials and their sum in key order, and its output
 // sums the values in key order. Up to QG queries of a kv head go together, so each key and value row is
 // loaded once for all of them (from L1/L2: the cache is read about once per QG queries), but nothing in
 // one query's arithmetic depends on the other queries of the call, the other rows, their number or the
@@ -525,7 +525,7 @@ torch::Tensor rope(const torch::Tensor& x, const torch::Tensor& cos, const torch
 // engine gets the same bits. (SDPA's masked multi-query and one-query paths sum in different orders.)
 
 #if defined(__AVX512F__)
-inline vf sum_lanes_16(const vf (&a)[16]) {
+inline vf sum_lanes(const vf (&a)[16]) {
   // out[l] = the sum of a[l]'s 16 lanes, by a fixed tree (halves, quarters, eighths, pairs): 16 keys at once
   vf b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
@@ -540,11 +540,28 @@ inline vf sum_lanes_16(const vf (&a)[16]) {
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+#elif defined(__AVX__)
+inline vf sum_lanes(const vf (&a)[8]) {
+  // the same tree for 8 keys of 8 lanes (halves, pairs, neighbours). Before it, AVX2 summed each score
+  // one d at a time: 64 dependent FMAs a score, the bulk of a verify's time at long contexts
+  vf b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
+#if defined(__AVX512F__) || defined(__AVX__)
+#define DOMINOSPEC_LANE_SCORES 1
 #endif
 
 constexpr int QG = 4;  // queries of one kv head that share each key and value row as it streams by
 
-#if defined(__AVX512F__)
+#ifdef DOMINOSPEC_LANE_SCORES
 template <int NQ>
 void key_scores_v(const float* const* q, const float* __restrict keys, int64_t n, int64_t D, float scale,
                   float* const* out) {
@@ -564,7 +581,7 @@ void key_scores_v(const float* const* q, const float* __restrict keys, int64_t n
     for (int c = 0; c < NQ; ++c) acc[c][l] = a[c];
   }
   for (int c = 0; c < NQ; ++c) {
-    const vf s = sum_lanes_16(acc[c]) * scale;
+    const vf s = sum_lanes(acc[c]) * scale;
     std::memcpy(out[c], &s, n * sizeof(float));
   }
 }
@@ -574,7 +591,7 @@ inline void key_scores(const float* const* q, int nq, const float* __restrict ke
                        float* const* out) {
   // out[c][l] = scale * (q[c] . keys[l]) for nq <= QG queries and the n <= VW keys of one block (rows of D); each
   // query's sums in one fixed order, whatever nq and n (a key's sum reads only its own lanes)
-#if defined(__AVX512F__)
+#ifdef DOMINOSPEC_LANE_SCORES
   if (D % VW == 0) {
     switch (nq) {
       case 1: return key_scores_v<1>(q, keys, n, D, scale, out);
