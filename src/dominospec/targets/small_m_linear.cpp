@@ -631,21 +631,30 @@ inline vf exp_nonpositive(vf x) {
   return p * two_n;
 }
 
+// Value accumulators a span keeps in registers: all NQ x NDV with AVX-512's 32 registers; with AVX2's 16
+// (NQ x NDV = 32 for four queries of D = 64 spilled every FMA) the span walks D in slices of 8 / NQ vectors
+constexpr int VALUE_ACCUMULATORS = NPMAX > 1 ? 8 : 64;
+
 template <int NDV, int NQ>
 void values_span(const float* const* w, const float* __restrict vals, int64_t t0, int64_t t1, float* const* acc) {
-  // acc[c] += w[c][t] * vals[t] for t in [t0, t1) in order, NQ queries at once: each value row is loaded once for
-  // all of them and the NQ x NDV accumulators stay in registers over the span
-  vf a[NQ][NDV];
-  for (int c = 0; c < NQ; ++c)
-    for (int i = 0; i < NDV; ++i) std::memcpy(&a[c][i], acc[c] + i * VW, sizeof(vf));
-  for (int64_t t = t0; t < t1; ++t) {
-    const float* vt = vals + t * NDV * VW;
-    vf x[NDV];
-    for (int i = 0; i < NDV; ++i) std::memcpy(&x[i], vt + i * VW, sizeof(vf));
+  // acc[c] += w[c][t] * vals[t] for t in [t0, t1) in order, NQ queries at once: each value row (slice) is loaded
+  // once for all of them and the NQ x NS accumulators stay in registers over the span; a lane's sum over t is
+  // the same whatever the slicing
+  constexpr int NS = std::max(1, std::min(NDV, VALUE_ACCUMULATORS / NQ));
+  static_assert(NDV % NS == 0, "value slices must tile D");
+  for (int i0 = 0; i0 < NDV; i0 += NS) {
+    vf a[NQ][NS];
     for (int c = 0; c < NQ; ++c)
-      for (int i = 0; i < NDV; ++i) a[c][i] += w[c][t] * x[i];
+      for (int i = 0; i < NS; ++i) std::memcpy(&a[c][i], acc[c] + (i0 + i) * VW, sizeof(vf));
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* vt = vals + t * NDV * VW + i0 * VW;
+      vf x[NS];
+      for (int i = 0; i < NS; ++i) std::memcpy(&x[i], vt + i * VW, sizeof(vf));
+      for (int c = 0; c < NQ; ++c)
+        for (int i = 0; i < NS; ++i) a[c][i] += w[c][t] * x[i];
+    }
+    for (int c = 0; c < NQ; ++c) std::memcpy(acc[c] + i0 * VW, a[c], sizeof(a[c]));
   }
-  for (int c = 0; c < NQ; ++c) std::memcpy(acc[c], a[c], sizeof(a[c]));
 }
 
 template <int NDV>
