@@ -12,6 +12,8 @@ bandwidth (the `read` column: torch.sum over a buffer of the fp32 weights' size,
 `--formats float32,bfloat16,int8,bfloat16-dot --only-kernels` times the kernels (and `read`) alone.
 `--baseline LIB.so` adds the same formats on another build of the kernel (say, the cached build of an
 earlier source: `$DOMINOSPEC_CACHE/kernels/small_m_linear_<key>/*.so`), interleaved with this one's.
+`--attention` times the attention kernel instead (one forward's 30 calls, SmolLM2's 9 query and 3 kv
+heads of 64, after a cached context of 256 and 1024, for 1 and 9 new tokens), on each build.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("--formats", default="float32", help="kernel weight formats: float32,bfloat16,int8,bfloat16-dot")
     ap.add_argument("--only-kernels", action="store_true", help="leave out the library paths")
     ap.add_argument("--baseline", default=None, help="a built kernel library (.so) to time beside this one")
+    ap.add_argument("--attention", action="store_true", help="time the attention kernel, not the linears")
     ap.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -56,6 +59,8 @@ def main() -> None:
     modules = {"": load_kernels()}
     if args.baseline:
         modules["baseline-"] = import_library(Path(args.baseline))
+    if args.attention:
+        return time_attention(modules, args.repeats, clock)
     weights = [torch.randn(n, k) * 0.02 for n, k in SHAPES]
     kernels = {}
     for fmt in args.formats.split(","):
@@ -123,6 +128,31 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({f"{p}@{m}": v for (p, m), v in med.items()}, fh, indent=1)
+
+
+def time_attention(modules: dict, repeats: int, clock) -> None:
+    """ms of one forward's attention (30 calls) per build, medians; and the largest difference from this build."""
+    print(f"# {cpu_model()}, {torch.get_num_threads()} thread(s), median of {repeats}, ms for 30 attention calls")
+    names = [f"{prefix}attend" for prefix in modules]
+    print("| context | new tokens | " + " | ".join(names) + " | max abs difference |")
+    print("|---:|---:|" + "---:|" * (len(names) + 1))
+    for context in (256, 1024):
+        for new in (1, 9):
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(1, new, 9, 64, generator=g)
+            k, v = (torch.randn(1, 3, context + new, 64, generator=g) for _ in range(2))
+            starts = torch.tensor([context])
+            outs = [m.attend(q, k, v, starts, 0.125) for m in modules.values()]
+            times = {name: [] for name in names}
+            for _ in range(repeats):
+                for name, m in zip(names, modules.values()):
+                    t0 = clock()
+                    for _ in range(30):
+                        m.attend(q, k, v, starts, 0.125)
+                    times[name].append(clock() - t0)
+            diff = max((o - outs[0]).abs().max().item() for o in outs)
+            cells = " | ".join(f"{1000 * statistics.median(times[n]):.2f}" for n in names)
+            print(f"| {context} | {new} | {cells} | {diff:.1e} |")
 
 
 if __name__ == "__main__":
