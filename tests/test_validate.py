@@ -235,6 +235,39 @@ def test_feature_cache_is_keyed_by_sample_content(qwen3_target, tmp_path):
         assert cached.shape == fresh.shape and torch.allclose(cached, fresh, atol=1e-2)  # fp16 on disk
 
 
+def test_features_only_fills_the_cache_once_and_trainings_then_read_it(qwen3_target, tmp_path, monkeypatch):
+    """Protects `train --features-only`: one pass stores every training sample's features with the final
+    state (what a distilling objective needs), a second pass computes nothing, and a training on the same
+    cache then runs its steps without asking the target for features; without a cache it says which flag."""
+    target = qwen3_target
+    rng = random.Random(5)
+    samples = [
+        {"id": f"c:{i}", "input_ids": [rng.randrange(1, 63) for _ in range(8 + i)], "loss_mask": [0, 0] + [1] * (6 + i)}
+        for i in range(5)
+    ]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    d = tiny_drafter(target, head="domino", block_size=4)
+    cfg = TrainConfig(batch_size=2, max_steps=3, distill=0.5, save_every=1000, val_every=1000)
+    warm = Trainer(target, d, samples, tmp_path / "w", cfg, feature_cache=cache, progress=False)
+    assert warm.needs_target_probs and warm.fill_feature_cache() == (5, 0)
+    assert warm.fill_feature_cache() == (0, 5)
+    assert all(warm._cache_read(i)[1] is not None for i in range(5))
+
+    def no_target(*a, **k):
+        raise AssertionError("features were computed again")
+
+    monkeypatch.setattr(target, "sequence_features", no_target)
+    trainer = Trainer(target, d, samples, tmp_path / "t", cfg, feature_cache=cache, progress=False)
+    assert trainer.fit()["step"] == 3
+    with pytest.raises(DominoError, match="--features-only fills a feature cache: pass --feature-cache DIR"):
+        Trainer(target, d, samples, tmp_path / "x", cfg, progress=False).fill_feature_cache()
+    from dominospec.train.run import TrainJob
+
+    with pytest.raises(DominoError, match="--features-only fills a feature cache"):
+        TrainJob(data=tmp_path, out=tmp_path / "o", features_only=True)
+
+
 def test_training_plot_draws_validation(tmp_path):
     pytest.importorskip("matplotlib")
     from dominospec.train.plots import plot_metrics

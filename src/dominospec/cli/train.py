@@ -74,6 +74,7 @@ def cmd_train(args) -> int:
         train_samples=args.train_samples,
         train_labels=args.train_labels,
         feature_cache=args.feature_cache,
+        features_only=args.features_only,
         resume=args.resume,
         save_dtype=SAVE_DTYPES[args.save_dtype],
         allow_other_target=args.allow_other_target,
@@ -302,6 +303,13 @@ def add_parser(sub) -> None:
         help="dtype of the exported drafter weights (default %(default)s)",
     )
     p.add_argument("--feature-cache", default=None, help="cache target features here (fp16) for multi-epoch runs")
+    p.add_argument(
+        "--features-only",
+        action="store_true",
+        help="fill --feature-cache with the target features of every training sample (the final hidden state "
+        "too) and stop without training: run it once before trainings that share the cache, so they read the "
+        "features instead of each computing them",
+    )
     p.add_argument(
         "--resume",
         action="store_true",

@@ -53,6 +53,7 @@ class TrainJob:
     train_samples: int | tuple[int, int] | None = None
     train_labels: str = "all"  # train on these samples only: all, on-policy, off-policy (validation is unchanged)
     feature_cache: str | Path | None = None  # target features cached here (fp16) for multi-epoch runs
+    features_only: bool = False  # fill feature_cache for every training sample, then stop (no training)
     resume: bool = False  # continue from the checkpoint in `out`
     save_dtype: torch.dtype | None = None  # of the exported weights (None: float32)
     allow_other_target: bool = False  # accept data written by another model with the same tokenizer
@@ -73,6 +74,8 @@ class TrainJob:
             raise DominoError(f"--train-samples must be at least 1, got {self.train_samples}")
         if self.init_head and not self.init:
             raise DominoError("a new head on a trained backbone needs --init DIR")
+        if self.features_only and not self.feature_cache:
+            raise DominoError("--features-only fills a feature cache: pass --feature-cache DIR")
         if self.init and self.init_from_layer is not None:
             raise DominoError("--init-from-layer starts a fresh drafter; it cannot be combined with --init")
 
@@ -195,12 +198,21 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
     )
     if cache and dist.main:
         tokens = sum(len(s["input_ids"]) for s in samples)
-        rows = len(drafter.config.target_layer_ids) + trainer.needs_target_probs  # + the final hidden state
+        # + the final hidden state where the objective reads it (--features-only always stores it)
+        rows = len(drafter.config.target_layer_ids) + (trainer.needs_target_probs or job.features_only)
         per_token = 2 * target.hidden_size * rows
         log(
             f"feature cache {cache}: {tokens} tokens x {per_token} bytes = {tokens * per_token / 1e9:.2f} GB "
             f"(fp16, {len(drafter.config.target_layer_ids)} layers)"
         )
+    if job.features_only:
+        computed, cached = trainer.fill_feature_cache()
+        if dist.main:
+            log(
+                f"feature cache {cache}: {computed} training samples computed, {cached} already there; "
+                f"trainings with the same layers read them (--features-only: nothing trained)"
+            )
+        return trainer
     if job.resume:
         resumed = trainer.load_checkpoint()
         if dist.main:

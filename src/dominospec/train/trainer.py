@@ -306,8 +306,10 @@ class Trainer:
         cfg = self.cfg
         return self.head.needs_target_probs or cfg.distill > 0 or cfg.accept_loss > 0 or cfg.entropy_keep < 1
 
-    def features(self, idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        need_final = self.needs_target_probs
+    def features(self, idx: list[int], need_final: bool | None = None) -> list[tuple]:
+        """Each sample's (layer features, final hidden state or None): read from the cache, else computed (and
+        stored); need_final: also the final state (default: whether the objective reads it)."""
+        need_final = self.needs_target_probs if need_final is None else need_final
         result: dict[int, tuple] = {}
         todo = []
         for i in idx:
@@ -326,6 +328,25 @@ class Trainer:
                 if self.feature_cache:
                     self._cache_write(i, item)
         return [result[i] for i in idx]
+
+    def fill_feature_cache(self) -> tuple[int, int]:
+        """Stores the target features (the final hidden state too, so any objective can read them) of every
+        training sample of this process that the cache lacks, in data set order, a batch at a time; returns
+        (computed, already cached). `train --features-only`: one pass that trainings sharing the cache then
+        read instead of each computing the same features."""
+        if self.feature_cache is None:
+            raise DominoError("--features-only fills a feature cache: pass --feature-cache DIR")
+        from tqdm import tqdm
+
+        mine = list(range(self.dist.rank, len(self.samples), self.dist.world))
+        missing = [i for i in mine if (c := self._cache_read(i)) is None or c[1] is None]
+        bar = tqdm(total=len(missing), desc="features", unit="sample", disable=not self.progress)
+        for b in range(0, len(missing), self.cfg.batch_size):
+            chunk = missing[b : b + self.cfg.batch_size]
+            self.features(chunk, need_final=True)
+            bar.update(len(chunk))
+        bar.close()
+        return len(missing), len(mine) - len(missing)
 
     def _cache_path(self, i: int) -> Path:
         return self.feature_cache.path(self.drafter.config.target_layer_ids, self.samples[i]["input_ids"])
