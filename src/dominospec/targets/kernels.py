@@ -14,6 +14,7 @@ DOMINOSPEC_KERNELS=off) `load_kernels()` returns None and `Linear` keeps its lib
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -47,8 +48,9 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
 def build_key() -> str:
-    """What a built kernel is valid for: its source, this torch, this CPU's instruction sets."""
+    """What a built kernel is valid for: its source, this torch, this CPU's instruction sets (once a process)."""
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), platform.machine().encode()):
         h.update(part)
@@ -113,6 +115,14 @@ def load_kernels():
             module = None
     _loaded["module"] = module
     return module
+
+
+def active_build() -> str:
+    """The build key of the kernel this process runs, or "off" where it runs the library paths (switched off,
+    no compiler, a failed build, or nothing loaded it yet): what a timing of this process's forwards depends on."""
+    if not kernels_enabled() or _loaded.get("module") is None:
+        return "off"
+    return build_key()
 
 
 def reset_kernels() -> None:

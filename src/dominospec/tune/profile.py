@@ -98,22 +98,22 @@ def precision(target) -> str:
 
 def device_fingerprint(target) -> dict:
     """What a cost table is only valid for: the hardware, threads, torch, the target, its backend and
-    precision (a weight format streams other bytes: each has its own profile), and on the CPU the
-    small-row kernel's build (another kernel source prices verify and decode otherwise)."""
+    precision (a weight format streams other bytes: each has its own profile), and for the native forward on
+    the CPU the small-row kernel's build (another kernel source prices verify and decode otherwise)."""
     from ..targets import kernels
 
     dev = target.device
     hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model()
-    kernel = kernels.build_key() if dev.type == "cpu" and kernels.kernels_enabled() else "off"
+    backend = getattr(target, "backend", "hf")
     return {
-        "kernel": kernel,
+        "kernel": kernels.active_build() if dev.type == "cpu" and backend == "native" else "off",
         "device": dev.type,
         "hardware": hw,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         # the model by content: `tiny/`, `tiny` and its absolute path share one profile
         "target": getattr(target, "fingerprint", None) or getattr(target, "name", "model"),
-        "backend": getattr(target, "backend", "hf"),
+        "backend": backend,
         "dtype": precision(target),
     }
 
