@@ -252,6 +252,8 @@ def test_features_only_fills_the_cache_once_and_trainings_then_read_it(qwen3_tar
     warm = Trainer(target, d, samples, tmp_path / "w", cfg, feature_cache=cache, progress=False)
     assert warm.needs_target_probs and warm.fill_feature_cache() == (5, 0)
     assert warm.fill_feature_cache() == (0, 5)
+    warm._cache_path(2).write_bytes(b"cut short")  # a damaged file is not counted as there: computed again
+    assert warm.fill_feature_cache() == (1, 4)
     assert all(warm._cache_read(i)[1] is not None for i in range(5))
 
     def no_target(*a, **k):

@@ -104,6 +104,21 @@ class FeatureCache:
         dt = self.target.dtype
         return feats.to(dt), (final.to(dt) if final is not None else None)
 
+    def holds(self, layer_ids: Sequence[int], input_ids: Sequence[int], final: bool = False) -> bool:
+        """Whether a file for the sequence is there (with the final state, if asked), from its header alone;
+        an unreadable header counts as absent (read() would remake it)."""
+        from safetensors import safe_open
+
+        p = self.path(layer_ids, input_ids)
+        if not p.exists():
+            return False
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                keys = set(f.keys())
+        except Exception:  # a header cut short or not safetensors at all
+            return False
+        return "features" in keys and (not final or "final" in keys)
+
     def write(self, layer_ids: Sequence[int], input_ids: Sequence[int], features, final=None) -> None:
         from safetensors.torch import save_file
 

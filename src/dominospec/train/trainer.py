@@ -306,10 +306,10 @@ class Trainer:
         cfg = self.cfg
         return self.head.needs_target_probs or cfg.distill > 0 or cfg.accept_loss > 0 or cfg.entropy_keep < 1
 
-    def features(self, idx: list[int], need_final: bool | None = None) -> list[tuple]:
-        """Each sample's (layer features, final hidden state or None): read from the cache, else computed (and
-        stored); need_final: also the final state (default: whether the objective reads it)."""
-        need_final = self.needs_target_probs if need_final is None else need_final
+    def features(self, idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each sample's (layer features, final hidden state where the objective reads it, else None): read from
+        the cache, else computed (and stored)."""
+        need_final = self.needs_target_probs
         result: dict[int, tuple] = {}
         todo = []
         for i in idx:
@@ -318,16 +318,22 @@ class Trainer:
                 result[i] = cached
             else:
                 todo.append(i)
-        if todo:
-            feats, final = self.target.sequence_features(
-                [self.samples[i]["input_ids"] for i in todo], self.drafter.config.target_layer_ids
-            )
-            for r, i in enumerate(todo):
-                item = (feats[r], final[r] if need_final else None)
-                result[i] = item
-                if self.feature_cache:
-                    self._cache_write(i, item)
+        result.update(self._compute_features(todo, need_final))
         return [result[i] for i in idx]
+
+    def _compute_features(self, idx: list[int], need_final: bool) -> dict[int, tuple]:
+        """The target's features of samples idx, one forward for all, stored in the cache where there is one."""
+        if not idx:
+            return {}
+        feats, final = self.target.sequence_features(
+            [self.samples[i]["input_ids"] for i in idx], self.drafter.config.target_layer_ids
+        )
+        out = {}
+        for r, i in enumerate(idx):
+            out[i] = (feats[r], final[r] if need_final else None)
+            if self.feature_cache:
+                self._cache_write(i, out[i])
+        return out
 
     def fill_feature_cache(self) -> tuple[int, int]:
         """Stores the target features (the final hidden state too, so any objective can read them) of every
@@ -338,12 +344,13 @@ class Trainer:
             raise DominoError("--features-only fills a feature cache: pass --feature-cache DIR")
         from tqdm import tqdm
 
+        layers = self.drafter.config.target_layer_ids
         mine = list(range(self.dist.rank, len(self.samples), self.dist.world))
-        missing = [i for i in mine if (c := self._cache_read(i)) is None or c[1] is None]
+        missing = [i for i in mine if not self.feature_cache.holds(layers, self.samples[i]["input_ids"], final=True)]
         bar = tqdm(total=len(missing), desc="features", unit="sample", disable=not self.progress)
         for b in range(0, len(missing), self.cfg.batch_size):
             chunk = missing[b : b + self.cfg.batch_size]
-            self.features(chunk, need_final=True)
+            self._compute_features(chunk, need_final=True)
             bar.update(len(chunk))
         bar.close()
         return len(missing), len(mine) - len(missing)
