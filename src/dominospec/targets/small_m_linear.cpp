@@ -44,12 +44,15 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int VW = 16;  // floats per vector (zmm)
+constexpr int VREGS = 32;  // vector registers
 constexpr int MR = 12;  // rows per group: 12 x 2 accumulators + 2 weight vectors of 32 registers
 #elif defined(__AVX__)
 constexpr int VW = 8;  // ymm
+constexpr int VREGS = 16;
 constexpr int MR = 6;  // 12 accumulators + 2 weight vectors of 16 registers
 #else
 constexpr int VW = 4;  // SSE / NEON
+constexpr int VREGS = 16;
 constexpr int MR = 4;
 #endif
 constexpr int NV = 2;  // vectors per panel row
@@ -327,8 +330,8 @@ void run_panels(const std::array<std::array<PanelFn<X, T>, NT>, NPMAX>& panels, 
   const int64_t groups = group > 0 ? (Kp + group - 1) / group : 0;
   const int64_t sstride = groups * 2 * NR;
   const int64_t chunks = (M + CHUNK - 1) / CHUNK;
-  const int64_t first_rows = std::min<int64_t>(CHUNK, M);
-  const int64_t widest = (first_rows + ((first_rows + NT - 1) / NT) - 1) / ((first_rows + NT - 1) / NT);
+  const int64_t first_rows = std::min<int64_t>(CHUNK, M), first_groups = (first_rows + NT - 1) / NT;
+  const int64_t widest = (first_rows + first_groups - 1) / first_groups;  // rows of the first chunk's widest group
   const int64_t per_thread = std::max<int64_t>(1, P / std::max<int64_t>(1, at::get_num_threads()));
   constexpr bool i8 = std::is_same_v<T, int8_t>;
   const int64_t block = std::min<int64_t>(panels_for(static_cast<int>(widest), i8), per_thread);
@@ -631,9 +634,10 @@ inline vf exp_nonpositive(vf x) {
   return p * two_n;
 }
 
-// Value accumulators a span keeps in registers: all NQ x NDV with AVX-512's 32 registers; with AVX2's 16
-// (NQ x NDV = 32 for four queries of D = 64 spilled every FMA) the span walks D in slices of 8 / NQ vectors
-constexpr int VALUE_ACCUMULATORS = NPMAX > 1 ? 8 : 64;
+// Value accumulators a span keeps in registers: with 16 vector registers 8 (four queries x 8 vectors of
+// D = 64 spilled on every FMA: the span walks D in slices of 8 / NQ vectors, measured on AVX2); with 32 all
+// NQ x NDV as before (not measured otherwise)
+constexpr int VALUE_ACCUMULATORS = VREGS == 16 ? 8 : 64;
 
 template <int NDV, int NQ>
 void values_span(const float* const* w, const float* __restrict vals, int64_t t0, int64_t t1, float* const* acc) {
