@@ -208,6 +208,14 @@ def test_pipeline_prepare_train_generate_bench(tmp_path, capsys, smollm):
     assert json.loads((revocab / "config.json").read_text())["draft_vocab_size"] == 300
     assert main(["generate", "Add 2 and 2.", "--drafter", str(revocab), "--max-new-tokens", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["text"] == spec["text"]
+    # the trained drafter grown by a layer (the one-vs-two-layer comparison's start), trained on, lossless
+    grown = tmp_path / "grown"
+    args = ["train", "--data", str(data), "--out", str(grown), "--init", str(drafter), "--layers", "2"]
+    assert main([*args, "--max-steps", "1", "--batch-size", "2", "--anchors", "4"]) == 0
+    assert "from 1 to 2 backbone layers" in capsys.readouterr().err
+    assert json.loads((grown / "config.json").read_text())["num_layers"] == 2
+    assert main(["generate", "Add 2 and 2.", "--drafter", str(grown), "--max-new-tokens", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == spec["text"]
 
 
 def test_shipped_default_drafter_is_used_and_lossless(capsys, smollm):

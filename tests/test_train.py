@@ -329,6 +329,34 @@ def test_a_new_head_on_a_trained_backbone_keeps_everything_else(qwen3_target):
         d.with_head("nope")
 
 
+def test_a_grown_drafter_drafts_as_before_until_it_trains(qwen3_target):
+    """`with_layers` (train --init DIR --layers N): every trained weight kept, each new layer a copy of the one
+    below with its residual outputs zeroed, so the grown drafter's logits and drafts are the old one's; one
+    optimiser step moves the new layers; a drafter is never cut."""
+    d = tiny_drafter(qwen3_target, head="domino", confidence=True, draft_vocab=40).eval()
+    g = d.with_layers(4).attach(qwen3_target)
+    assert g.config.num_layers == 4 and len(g.layers) == 4
+    mine, theirs = d.state_dict(), g.state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in mine.items())
+    for i in (2, 3):
+        for name, v in g.layers[i].state_dict().items():
+            zero = name in ("o_proj.weight", "down_proj.weight")
+            assert torch.equal(v, torch.zeros_like(v) if zero else mine[f"layers.1.{name}"]), (i, name)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    with torch.no_grad():
+        old = generate_speculative(qwen3_target, d, prompt, 12, eos_ids=[])
+        new = generate_speculative(qwen3_target, g, prompt, 12, eos_ids=[])
+    assert new.tokens == old.tokens and new.accepted == old.accepted
+    g.train()
+    ctx = torch.randn(1, 6, len(d.config.target_layer_ids) * d.config.hidden_size)
+    z = g.forward_blocks(ctx, torch.tensor([4, 6]), torch.tensor([3, 5]))
+    z.pow(2).sum().backward()
+    moved = [n for n, p in g.layers[2].named_parameters() if p.grad is not None and p.grad.abs().sum() > 0]
+    assert {"o_proj.weight", "down_proj.weight"} <= set(moved)
+    with pytest.raises(DominoError, match="cannot be cut to 1"):
+        d.with_layers(1)
+
+
 @pytest.mark.parametrize("head", ["domino", "path"])
 def test_a_new_draft_vocabulary_moves_the_head_rows_with_their_tokens(qwen3_target, head):
     """`with_draft_vocab` (train --init DIR --draft-vocab N): the backbone is kept, each kept token's head
@@ -382,11 +410,11 @@ def test_init_refuses_shape_flags_it_would_ignore(qwen3_target, tmp_path, capsys
     d = tiny_drafter(qwen3_target, head="domino", confidence=False)
     d.save_pretrained(tmp_path / "d")
     base = ["train", "--data", str(tmp_path / "nodata"), "--out", str(tmp_path / "out"), "--init", str(tmp_path / "d")]
-    assert main([*base, "--layers", "3", "--confidence-head", "--rank", "5"]) == 2
+    assert main([*base, "--layers", "1", "--confidence-head", "--rank", "5"]) == 2
     err = capsys.readouterr().err
-    assert "--layers 3 (it has num_layers 2)" in err and "--confidence-head (it has none)" in err
+    assert "--layers 1 (it has 2; a drafter can grow, not shrink)" in err and "--confidence-head (it has none)" in err
     assert "--rank 5 (it has rank 8)" in err and "train a fresh drafter without --init" in err
-    # the same shape, or a new head's rank: past the shape check, stopped at the missing data directory
-    assert main([*base, "--layers", "2", "--block-size", "4", "--head", "path", "--rank", "5"]) == 2
+    # the same shape, more layers, or a new head's rank: past the shape check, stopped at the missing data directory
+    assert main([*base, "--layers", "3", "--block-size", "4", "--head", "path", "--rank", "5"]) == 2
     err = capsys.readouterr().err
     assert "keeps the drafter's own shape" not in err and "nodata" in err

@@ -270,6 +270,37 @@ def test_features_only_fills_the_cache_once_and_trainings_then_read_it(qwen3_tar
         TrainJob(data=tmp_path, out=tmp_path / "o", features_only=True)
 
 
+def test_validation_reads_the_feature_cache_and_gives_the_same_result_from_it(qwen3_target, tmp_path, monkeypatch):
+    """Protects the validator's feature cache: the first evaluation computes and stores the held-out features,
+    every later one (and another process's, e.g. the next training) reads them and measures the same counts,
+    since a fresh feature is rounded to the cache's fp16 before use; `fill_cache` stores only what is missing."""
+    from dominospec.targets.features import FeatureCache
+
+    target = qwen3_target
+    rng = random.Random(7)
+    samples = [
+        {
+            "id": f"c:{i}",
+            "input_ids": [rng.randrange(1, 63) for _ in range(10 + i)],
+            "loss_mask": [0, 0] + [1] * (8 + i),
+        }
+        for i in range(4)
+    ]
+    d = tiny_drafter(target, head="domino", block_size=4).eval()
+    cache = FeatureCache(tmp_path / "cache", target)
+    v = Validator(target, samples, walk=True, batch_size=3, feature_cache=cache)
+    assert v.fill_cache(d.config.target_layer_ids) == 4 and v.fill_cache(d.config.target_layer_ids) == 0
+    (tmp_path / "cache").joinpath(cache.path(d.config.target_layer_ids, samples[1]["input_ids"]).name).unlink()
+    first = v.evaluate(d)  # sample 1 computed again, the rest read
+
+    def no_target(*a, **k):
+        raise AssertionError("features were computed again")
+
+    monkeypatch.setattr(target, "sequence_features", no_target)
+    again = Validator(target, samples, walk=True, feature_cache=cache).evaluate(d)
+    assert (again.judged, again.passed) == (first.judged, first.passed) and first.blocks > 0
+
+
 def test_training_plot_draws_validation(tmp_path):
     pytest.importorskip("matplotlib")
     from dominospec.train.plots import plot_metrics

@@ -109,8 +109,9 @@ def add_arch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layers",
         type=int,
-        default=default(DrafterConfig, "num_layers"),
-        help="draft backbone layers (default %(default)s)",
+        default=None,
+        help=f"draft backbone layers (default {default(DrafterConfig, 'num_layers')}); with --init, more than the "
+        "drafter has grows it: each new layer starts as a copy of the one below that adds nothing yet",
     )
     p.add_argument(
         "--block-size",

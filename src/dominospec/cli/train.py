@@ -96,13 +96,14 @@ def cmd_train(args) -> int:
             "gru_hidden_size": args.gru_hidden_size,
             "path_candidates": args.path_candidates,
         }
+    if args.init and args.layers is not None:
+        job.init_layers = args.layers
     train_drafter(target, job)
     return 0
 
 
 # shape flag -> (DrafterConfig field, its parser default): with --init, DIR's value stands
-INIT_SHAPE = {
-    "layers": ("num_layers", default(DrafterConfig, "num_layers")),
+INIT_SHAPE = {  # --layers is not among them: more layers than DIR has grows it (fewer are refused)
     "block_size": ("block_size", default(DrafterConfig, "block_size")),
     "intermediate_size": ("intermediate_size", None),
     "mask_token_id": ("mask_token_id", None),
@@ -124,6 +125,8 @@ def check_init_shape(args, config: DrafterConfig) -> None:
         for name, (field, unset) in flags.items()
         if getattr(args, name) != unset and getattr(args, name) != getattr(config, field)
     ]
+    if args.layers is not None and args.layers < config.num_layers:
+        bad.append(f"--layers {args.layers} (it has {config.num_layers}; a drafter can grow, not shrink)")
     if args.confidence_head and not config.confidence_head:
         bad.append("--confidence-head (it has none)")
     if args.layer_ids and parse_layer_ids(args.layer_ids, config.target_num_layers) != list(config.target_layer_ids):

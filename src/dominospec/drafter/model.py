@@ -395,6 +395,29 @@ class Drafter(nn.Module):
         fresh.load_state_dict(state)
         return fresh.train(self.training)
 
+    def with_layers(self, num_layers: int) -> Drafter:
+        """A copy of this drafter grown to `num_layers` backbone layers; attach it to a target before use.
+
+        The trained layers, head, confidence head and draft vocabulary are kept. Each new layer goes on
+        top, starts as a copy of the layer below it with its two residual outputs (o_proj, down_proj)
+        zeroed, so it adds nothing yet: the grown drafter drafts exactly as this one did, and training
+        moves the residual outputs first (their gradients do not vanish) and the copied projections
+        after. What compares one and two draft layers on one trained drafter."""
+        have = self.config.num_layers
+        if num_layers < have:
+            raise DominoError(f"a drafter of {have} layers cannot be cut to {num_layers}: grow it, or train anew")
+        fresh = self._remade(num_layers=num_layers)
+        state = self.state_dict()
+        for i in range(have, num_layers):
+            for name, value in list(state.items()):
+                if name.startswith(f"layers.{have - 1}."):
+                    grown = f"layers.{i}." + name[len(f"layers.{have - 1}.") :]
+                    state[grown] = value.clone()
+                    if grown.endswith(("o_proj.weight", "down_proj.weight")):
+                        state[grown].zero_()
+        fresh.load_state_dict(state)
+        return fresh.train(self.training)
+
     def num_trainable_parameters(self) -> int:
         """Parameters the optimiser updates (the borrowed embedding and LM head are not among them)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

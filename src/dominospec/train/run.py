@@ -19,6 +19,7 @@ from ..drafter import Drafter
 from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
+from ..targets.features import FeatureCache
 from .distributed import init_distributed
 from .samples import (
     draft_vocab_coverage,
@@ -46,6 +47,7 @@ class TrainJob:
     draft_vocab: int | None = None
     init: str | Path | None = None  # start from this drafter directory instead of a fresh one
     init_head: dict | None = None  # with init: a new untrained head on its backbone (head + head fields)
+    init_layers: int | None = None  # with init: grow the drafter to this many backbone layers (Drafter.with_layers)
     init_from_layer: int | None = None  # a fresh drafter's layers start from the target's layers J, J+1, ...
     val_data: str | Path | None = None  # validate on this directory instead of a held-out part of `data`
     val_fraction: float = 0.05  # conversations held out for validation, by id hash
@@ -74,6 +76,8 @@ class TrainJob:
             raise DominoError(f"--train-samples must be at least 1, got {self.train_samples}")
         if self.init_head and not self.init:
             raise DominoError("a new head on a trained backbone needs --init DIR")
+        if self.init_layers is not None and not self.init:
+            raise DominoError("growing a drafter by layers needs --init DIR")
         if self.features_only and not self.feature_cache:
             raise DominoError("--features-only fills a feature cache: pass --feature-cache DIR")
         if self.init and self.init_from_layer is not None:
@@ -168,6 +172,10 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
             drafter = drafter.with_head(**job.init_head).attach(target)
             new_head = drafter.config.head
             log(f"kept the backbone of {job.init} and replaced its {old_head} head by an untrained {new_head} head")
+        if job.init_layers is not None and job.init_layers > drafter.config.num_layers:
+            old_layers = drafter.config.num_layers
+            drafter = drafter.with_layers(job.init_layers).attach(target)
+            log(f"grew {job.init} from {old_layers} to {job.init_layers} backbone layers (the new add nothing yet)")
         if job.draft_vocab is not None:
             drafter = new_draft_vocab(drafter, target, samples, job.draft_vocab, job.init)
     else:
@@ -182,7 +190,10 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
             )
     if meta.get("enable_thinking") is not None:  # generate says so when used in the other mode
         drafter.config.extra["enable_thinking"] = meta["enable_thinking"]
-    validator = Validator(target, val_samples, cfg.val_anchors, walk=cfg.val_walk) if val_samples else None
+    validator = None
+    if val_samples:
+        val_cache = FeatureCache(cache, target) if cache else None
+        validator = Validator(target, val_samples, cfg.val_anchors, walk=cfg.val_walk, feature_cache=val_cache)
     trainer = Trainer(
         target,
         drafter,
@@ -207,9 +218,11 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
         )
     if job.features_only:
         computed, cached = trainer.fill_feature_cache()
+        held_out = validator.fill_cache(drafter.config.target_layer_ids, dist) if validator else 0
         if dist.main:
             log(
-                f"feature cache {cache}: {computed} training samples computed, {cached} already there; "
+                f"feature cache {cache}: {computed} training samples computed, {cached} already there, "
+                f"{held_out} held-out samples computed; "
                 f"trainings with the same layers read them (--features-only: nothing trained)"
             )
         return trainer

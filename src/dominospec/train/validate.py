@@ -26,6 +26,7 @@ import torch
 
 from ..decode.result import expected_tokens
 from ..errors import DominoError
+from ..targets.features import FeatureCache
 from .blocks import IGNORE, TeacherForced, anchor_candidates, teacher_forced_blocks
 from .distributed import Dist
 
@@ -173,12 +174,23 @@ class ValResult:
 class Validator:
     """Greedy acceptance of a drafter on held-out samples, measured the training way."""
 
-    def __init__(self, target, samples: list[dict], max_anchors: int = 64, batch_size: int = 8, walk: bool = False):
+    def __init__(
+        self,
+        target,
+        samples: list[dict],
+        max_anchors: int = 64,
+        batch_size: int = 8,
+        walk: bool = False,
+        feature_cache: FeatureCache | None = None,
+    ):
         """walk: count the blocks a greedy decode of each answer would visit (`walked_rows`), as the
-        benchmark does; else `max_anchors` evenly spaced anchors per sample (0: all)."""
+        benchmark does; else `max_anchors` evenly spaced anchors per sample (0: all). feature_cache: the
+        held-out samples' target features are read from it, or computed once and stored there (fp16, the
+        precision training reads them at), so a run's validations after the first make no target pass."""
         if not samples:
             raise DominoError("validation needs at least one sample")
         self.target, self.samples, self.batch_size, self.walk = target, samples, max(1, batch_size), walk
+        self.cache = feature_cache
         cap = 0 if walk else max_anchors
         self.anchors = [validation_anchors(torch.tensor(s["loss_mask"]), cap) for s in samples]
 
@@ -191,10 +203,7 @@ class Validator:
         mine = [i for i in range(dist.rank, len(self.samples), dist.world) if self.anchors[i].numel()]
         for lo in range(0, len(mine), self.batch_size):
             chunk = mine[lo : lo + self.batch_size]
-            feats, _ = self.target.sequence_features(
-                [self.samples[i]["input_ids"] for i in chunk], drafter.config.target_layer_ids
-            )
-            for i, f in zip(chunk, feats):
+            for i, f in zip(chunk, self._features(chunk, drafter.config.target_layer_ids)):
                 ids = torch.tensor(self.samples[i]["input_ids"], device=dev)
                 mask = torch.tensor(self.samples[i]["loss_mask"], device=dev)
                 hits = [
@@ -210,6 +219,31 @@ class Validator:
                 counts[1] += passed.to(counts.dtype)
         counts = dist.all_sum(counts)
         return ValResult([int(x) for x in counts[0].tolist()], [int(x) for x in counts[1].tolist()], len(self.samples))
+
+    def fill_cache(self, layer_ids: list[int], dist: Dist | None = None) -> int:
+        """Stores the features of this rank's held-out samples that the cache lacks (`train --features-only`);
+        returns how many were computed."""
+        dist = dist or Dist()
+        mine = range(dist.rank, len(self.samples), dist.world)
+        missing = [i for i in mine if not self.cache.holds(layer_ids, self.samples[i]["input_ids"])]
+        for lo in range(0, len(missing), self.batch_size):
+            self._features(missing[lo : lo + self.batch_size], layer_ids)
+        return len(missing)
+
+    def _features(self, chunk: list[int], layer_ids: list[int]) -> list[torch.Tensor]:
+        """The target features of samples `chunk`: from the cache where it holds them, the rest computed in
+        one batch (and, with a cache, stored and rounded to its fp16 as every later read will be)."""
+        ids = [self.samples[i]["input_ids"] for i in chunk]
+        found = [self.cache.read(layer_ids, x) if self.cache else None for x in ids]
+        missing = [k for k, got in enumerate(found) if got is None]
+        if missing:
+            computed, _ = self.target.sequence_features([ids[k] for k in missing], layer_ids)
+            for k, f in zip(missing, computed):
+                if self.cache:
+                    self.cache.write(layer_ids, ids[k], f)
+                    f = f.to(torch.float16).to(f.dtype)
+                found[k] = (f, None)
+        return [got[0] for got in found]
 
 
 class BestSoFar:
