@@ -26,6 +26,7 @@ from dominospec.bench.runner import load_prompt_sets
 from dominospec.data.dataset import load_dataset_dir
 from dominospec.drafter import Drafter
 from dominospec.targets import Target
+from dominospec.targets.features import FeatureCache
 from dominospec.train.validate import Validator, ValResult, conversation_of, greedy_answer_samples, split_validation
 
 
@@ -91,6 +92,14 @@ def main() -> None:
         "the fit on seen data beside the held-out one (a gap near zero: the drafter is too small or undertrained "
         "for more data of the same kind to pay)",
     )
+    ap.add_argument(
+        "--feature-cache",
+        type=Path,
+        default=None,
+        help="read the held-out samples' target features from this cache, storing those it lacks (what train "
+        "--feature-cache keeps; fp16, so figures can differ from a run without it in the last digit): judging "
+        "drafters in later runs then makes no target pass",
+    )
     args = ap.parse_args()
     if not args.runs and not args.also:
         ap.error("give train --out directories (the curve's points), --also drafter directories, or both")
@@ -99,12 +108,14 @@ def main() -> None:
     remember_features(target)
     samples = load_dataset_dir(args.data, target=target)[1]
     _, val = split_validation(samples, args.val_fraction)
-    validator = Validator(target, val, walk=True)
+    cache = FeatureCache(args.feature_cache, target) if args.feature_cache else None
+    validator = Validator(target, val, walk=True, feature_cache=cache)
     band_validator = None
     if args.train_band > 0:
         held = {conversation_of(s) for s in val}
         _, wider = split_validation(samples, args.val_fraction + args.train_band)
-        band_validator = Validator(target, [s for s in wider if conversation_of(s) not in held], walk=True)
+        band = [s for s in wider if conversation_of(s) not in held]
+        band_validator = Validator(target, band, walk=True, feature_cache=cache)
     like_sets = {}
     if args.eval_like:  # one validator per eval set (by category); the overall figure sums their counts
         sets = load_prompt_sets(sorted(str(p) for p in Path("prompts").glob("eval-*.jsonl")), target)

@@ -320,6 +320,9 @@ def test_bench_parser_defaults():
     assert args.prompts == ["a.jsonl", "b.jsonl"] and args.methods == bench_methods.DEFAULT_METHODS
     assert (args.profile, args.context, args.max_k, args.temperature) == (False, 256, 16, 0.0)
     assert args.func is bench_cli.cmd_bench
+    # a shell glob or brace after one --prompts gives several files: the same list as the flag repeated
+    expanded = parser.parse_args(["bench", "--prompts", "a.jsonl", "b.jsonl", "--prompts", "c.jsonl", "--out", "o"])
+    assert expanded.prompts == ["a.jsonl", "b.jsonl", "c.jsonl"]
 
 
 def test_prompt_files_give_the_first_user_turn(tmp_path):

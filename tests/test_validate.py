@@ -237,8 +237,9 @@ def test_feature_cache_is_keyed_by_sample_content(qwen3_target, tmp_path):
 
 def test_features_only_fills_the_cache_once_and_trainings_then_read_it(qwen3_target, tmp_path, monkeypatch):
     """Protects `train --features-only`: one pass stores every training sample's features with the final
-    state (what a distilling objective needs), a second pass computes nothing, and a training on the same
-    cache then runs its steps without asking the target for features; without a cache it says which flag."""
+    state and the log-normaliser of its logits (what a distilling objective needs), a second pass computes
+    nothing, and a training on the same cache then runs its steps without asking the target for features or
+    its full LM head; without a cache it says which flag."""
     target = qwen3_target
     rng = random.Random(5)
     samples = [
@@ -255,11 +256,19 @@ def test_features_only_fills_the_cache_once_and_trainings_then_read_it(qwen3_tar
     warm._cache_path(2).write_bytes(b"cut short")  # a damaged file is not counted as there: computed again
     assert warm.fill_feature_cache() == (1, 4)
     assert all(warm._cache_read(i)[1] is not None for i in range(5))
+    for i in range(5):  # the stored normaliser is that of the stored (fp16) final state, which every reader gets
+        final = warm._cache_read(i)[1]
+        want = torch.logsumexp(target.lm_head(final).float(), -1)
+        assert torch.allclose(warm._cache_lse(i), want, atol=1e-5)
+    older = warm._cache_read(3)  # a file written before the normaliser was stored gets it, its features kept
+    warm._cache_write(3, older)
+    assert warm.fill_feature_cache() == (1, 4) and warm._cache_lse(3) is not None
 
     def no_target(*a, **k):
         raise AssertionError("features were computed again")
 
     monkeypatch.setattr(target, "sequence_features", no_target)
+    monkeypatch.setattr(Trainer, "_log_normaliser", no_target)  # nor the full LM head of the log-normaliser
     trainer = Trainer(target, d, samples, tmp_path / "t", cfg, feature_cache=cache, progress=False)
     assert trainer.fit()["step"] == 3
     with pytest.raises(DominoError, match="--features-only fills a feature cache: pass --feature-cache DIR"):

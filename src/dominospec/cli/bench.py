@@ -291,11 +291,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--prompts",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="FILE.jsonl",
-        help="prompt file (repeatable); one dataset per file, named after its stem; the first user turn "
-        "of each conversation is the prompt",
+        help="prompt file(s), one or more after the flag and the flag repeatable (so prompts/eval-*.jsonl works); "
+        "one dataset per file, named after its stem; the first user turn of each conversation is the prompt",
     )
     add_target_args(p)
     p.add_argument(

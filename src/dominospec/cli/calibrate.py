@@ -85,10 +85,12 @@ def add_parser(sub) -> None:
     p.add_argument("--drafter", required=True, metavar="DIR", help="drafter directory with a confidence head")
     p.add_argument(
         "--prompts",
-        action="append",
+        action="extend",
+        nargs="+",
         default=[],
         metavar="FILE.jsonl",
-        help="held-out prompt file (repeatable); the first user turn of each conversation is used",
+        help="held-out prompt file(s), one or more after the flag and the flag repeatable; the first user turn of "
+        "each conversation is used",
     )
     add_target_args(p)
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")

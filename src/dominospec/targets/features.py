@@ -104,9 +104,9 @@ class FeatureCache:
         dt = self.target.dtype
         return feats.to(dt), (final.to(dt) if final is not None else None)
 
-    def holds(self, layer_ids: Sequence[int], input_ids: Sequence[int], final: bool = False) -> bool:
-        """Whether a file for the sequence is there (with the final state, if asked), from its header alone;
-        an unreadable header counts as absent (read() would remake it)."""
+    def holds(self, layer_ids: Sequence[int], input_ids: Sequence[int], final: bool = False, lse: bool = False) -> bool:
+        """Whether a file for the sequence is there (with the final state and the log-normaliser, if asked),
+        from its header alone; an unreadable header counts as absent (read() would remake it)."""
         from safetensors import safe_open
 
         p = self.path(layer_ids, input_ids)
@@ -117,14 +117,31 @@ class FeatureCache:
                 keys = set(f.keys())
         except Exception:  # a header cut short or not safetensors at all
             return False
-        return "features" in keys and (not final or "final" in keys)
+        return "features" in keys and (not final or "final" in keys) and (not lse or "lse" in keys)
 
-    def write(self, layer_ids: Sequence[int], input_ids: Sequence[int], features, final=None) -> None:
+    def read_lse(self, layer_ids: Sequence[int], input_ids: Sequence[int]) -> torch.Tensor | None:
+        """The stored log-normaliser of the target's logits at every position ([S] fp32), or None: the one
+        tensor of a distilling step that costs the full LM head, read alone from the file."""
+        from safetensors import safe_open
+
+        p = self.path(layer_ids, input_ids)
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                lse = f.get_tensor("lse") if "lse" in f.keys() else None
+        except Exception:  # absent, or damaged (read() remakes it)
+            return None
+        return lse if lse is not None and tuple(lse.shape) == (len(input_ids),) else None
+
+    def write(self, layer_ids: Sequence[int], input_ids: Sequence[int], features, final=None, lse=None) -> None:
+        """Stores a sequence's features, its final hidden state and the log-normaliser of the logits read
+        from that state (fp16, fp16 and fp32; the last two where given)."""
         from safetensors.torch import save_file
 
         tensors = {"features": features.to(torch.float16).cpu().contiguous()}
         if final is not None:
             tensors["final"] = final.to(torch.float16).cpu().contiguous()
+        if lse is not None:
+            tensors["lse"] = lse.to(torch.float32).cpu().contiguous()
         self.root.mkdir(parents=True, exist_ok=True)
         with atomic_path(self.path(layer_ids, input_ids)) as tmp:
             save_file(tensors, str(tmp))

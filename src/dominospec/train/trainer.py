@@ -321,8 +321,9 @@ class Trainer:
         result.update(self._compute_features(todo, need_final))
         return [result[i] for i in idx]
 
-    def _compute_features(self, idx: list[int], need_final: bool) -> dict[int, tuple]:
-        """The target's features of samples idx, one forward for all, stored in the cache where there is one."""
+    def _compute_features(self, idx: list[int], need_final: bool, store: bool = True) -> dict[int, tuple]:
+        """The target's features of samples idx, one forward for all, stored in the cache where there is one
+        (and `store`)."""
         if not idx:
             return {}
         feats, final = self.target.sequence_features(
@@ -331,7 +332,7 @@ class Trainer:
         out = {}
         for r, i in enumerate(idx):
             out[i] = (feats[r], final[r] if need_final else None)
-            if self.feature_cache:
+            if self.feature_cache and store:
                 self._cache_write(i, out[i])
         return out
 
@@ -346,14 +347,27 @@ class Trainer:
 
         layers = self.drafter.config.target_layer_ids
         mine = list(range(self.dist.rank, len(self.samples), self.dist.world))
-        missing = [i for i in mine if not self.feature_cache.holds(layers, self.samples[i]["input_ids"], final=True)]
+        missing = [i for i in mine if not self.feature_cache.holds(layers, self.samples[i]["input_ids"], lse=True)]
         bar = tqdm(total=len(missing), desc="features", unit="sample", disable=not self.progress)
         for b in range(0, len(missing), self.cfg.batch_size):
             chunk = missing[b : b + self.cfg.batch_size]
-            self._compute_features(chunk, need_final=True)
+            got = {i: self._cache_read(i) for i in chunk}  # a file with the final state lacks only the normaliser
+            got = {i: v for i, v in got.items() if v is not None and v[1] is not None}
+            got |= {
+                i: tuple(t.to(torch.float16) for t in v)
+                for i, v in self._compute_features(
+                    [i for i in chunk if i not in got], need_final=True, store=False
+                ).items()
+            }
+            for i in chunk:  # the normaliser of the stored (fp16) final state: what every reader gets
+                feats, final = got[i]
+                self._cache_write(i, (feats, final, self._log_normaliser(final)))
             bar.update(len(chunk))
         bar.close()
         return len(missing), len(mine) - len(missing)
+
+    def _cache_lse(self, i: int) -> torch.Tensor | None:
+        return self.feature_cache.read_lse(self.drafter.config.target_layer_ids, self.samples[i]["input_ids"])
 
     def _cache_path(self, i: int) -> Path:
         return self.feature_cache.path(self.drafter.config.target_layer_ids, self.samples[i]["input_ids"])
@@ -394,6 +408,11 @@ class Trainer:
         dt = self.drafter.dtype
         return [(f.to(dt), None if fin is None else fin.to(dt)) for f, fin in (got[i] for i in idx)]
 
+    @torch.no_grad()
+    def _log_normaliser(self, final: torch.Tensor) -> torch.Tensor:
+        """logsumexp of the target's logits over its whole vocabulary at every position [S] (fp32)."""
+        return torch.logsumexp(self.target.lm_head(final.to(self.target.dtype)).float(), -1)
+
     def _target_probs_packed(self, idx, finals, blocks) -> torch.Tensor:
         """[N, B, V'] the target's distribution at every block slot, on the draft vocabulary (mass
         outside it left out): draft-vocabulary logits minus the full log-normaliser, which is
@@ -403,8 +422,8 @@ class Trainer:
         rows, lse, where, offset = [], [], [], 0
         for i, fin, (a, _, _) in zip(idx, finals, blocks):
             if i not in self._lse:
-                with torch.no_grad():
-                    self._lse[i] = torch.logsumexp(self.target.lm_head(fin.to(self.target.dtype)).float(), -1)  # [S]
+                stored = self._cache_lse(i) if self.feature_cache else None
+                self._lse[i] = stored.to(fin.device) if stored is not None else self._log_normaliser(fin)
             pos = (a.unsqueeze(1) + torch.arange(self.block, device=a.device)).clamp(max=fin.shape[0] - 1)
             distinct, inverse = torch.unique(pos, return_inverse=True)
             rows.append(fin[distinct])  # [U_r, H]
