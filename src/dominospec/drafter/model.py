@@ -407,15 +407,13 @@ class Drafter(nn.Module):
         if num_layers < have:
             raise DominoError(f"a drafter of {have} layers cannot be cut to {num_layers}: grow it, or train anew")
         fresh = self._remade(num_layers=num_layers)
-        state = self.state_dict()
-        for i in range(have, num_layers):
-            for name, value in list(state.items()):
-                if name.startswith(f"layers.{have - 1}."):
-                    grown = f"layers.{i}." + name[len(f"layers.{have - 1}.") :]
-                    state[grown] = value.clone()
-                    if grown.endswith(("o_proj.weight", "down_proj.weight")):
-                        state[grown].zero_()
-        fresh.load_state_dict(state)
+        missing, unexpected = fresh.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith("layers.") for k in missing), (missing, unexpected)
+        with torch.no_grad():
+            for layer in fresh.layers[have:]:
+                layer.load_state_dict(self.layers[-1].state_dict())
+                layer.o_proj.weight.zero_()
+                layer.down_proj.weight.zero_()
         return fresh.train(self.training)
 
     def num_trainable_parameters(self) -> int:

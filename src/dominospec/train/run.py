@@ -172,7 +172,7 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
             drafter = drafter.with_head(**job.init_head).attach(target)
             new_head = drafter.config.head
             log(f"kept the backbone of {job.init} and replaced its {old_head} head by an untrained {new_head} head")
-        if job.init_layers is not None and job.init_layers > drafter.config.num_layers:
+        if job.init_layers not in (None, drafter.config.num_layers):  # fewer are refused by with_layers
             old_layers = drafter.config.num_layers
             drafter = drafter.with_layers(job.init_layers).attach(target)
             log(f"grew {job.init} from {old_layers} to {job.init_layers} backbone layers (the new add nothing yet)")

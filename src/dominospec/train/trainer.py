@@ -352,15 +352,10 @@ class Trainer:
         for b in range(0, len(missing), self.cfg.batch_size):
             chunk = missing[b : b + self.cfg.batch_size]
             got = {i: self._cache_read(i) for i in chunk}  # a file with the final state lacks only the normaliser
-            got = {i: v for i, v in got.items() if v is not None and v[1] is not None}
-            got |= {
-                i: tuple(t.to(torch.float16) for t in v)
-                for i, v in self._compute_features(
-                    [i for i in chunk if i not in got], need_final=True, store=False
-                ).items()
-            }
+            fresh = [i for i in chunk if got[i] is None or got[i][1] is None]
+            got.update(self._compute_features(fresh, need_final=True, store=False))
             for i in chunk:  # the normaliser of the stored (fp16) final state: what every reader gets
-                feats, final = got[i]
+                feats, final = (t.to(torch.float16) for t in got[i])
                 self._cache_write(i, (feats, final, self._log_normaliser(final)))
             bar.update(len(chunk))
         bar.close()
