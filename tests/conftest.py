@@ -86,6 +86,7 @@ def tiny_drafter(
     randomize_head: bool = True,
     draft_vocab: int = 0,
     path_candidates: int = 16,
+    fuse_context: bool = False,
 ) -> Drafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig.for_target(
@@ -100,6 +101,7 @@ def tiny_drafter(
         mask_token_id=mask_token_id,
         draft_vocab_size=draft_vocab,
         path_candidates=path_candidates,
+        fuse_context=fuse_context,
     )
     d = Drafter(cfg)
     if draft_vocab:  # a scattered subset, so index and id differ

@@ -48,11 +48,13 @@ class OracleDrafter(torch.nn.Module):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("head", HEADS + ["domino+subvocab", "rnn+subvocab"])
+@pytest.mark.parametrize("head", HEADS + ["domino+subvocab", "rnn+subvocab", "domino+fuse"])
 def test_greedy_output_matches_target(family, head, backend, tiny_targets):
     target = tiny_targets[family, backend]
     name, _, sub = head.partition("+")
-    drafter = tiny_drafter(target, head=name, block_size=4, draft_vocab=40 if sub else 0)
+    drafter = tiny_drafter(
+        target, head=name, block_size=4, draft_vocab=40 if sub == "subvocab" else 0, fuse_context=sub == "fuse"
+    )
     for prompt in PROMPTS:
         ref = generate_autoregressive(target, prompt, 30, eos_ids=[])
         for b in (1, 3, 4):
@@ -177,14 +179,16 @@ def test_sampling_distribution_test_detects_a_wrong_acceptance_rule(monkeypatch)
 # ----- caches -----
 
 
-def test_draft_context_cache_matches_recomputation(qwen3_target):
-    """Blocks drafted over an incrementally built context cache equal one uncached training forward."""
+@pytest.mark.parametrize("fuse", [False, True])
+def test_draft_context_cache_matches_recomputation(fuse, qwen3_target):
+    """Blocks drafted over an incrementally built context cache equal one uncached training forward; with
+    the fused last context row, the cache keeps the rows it needs (and grows them when it doubles)."""
     target = qwen3_target
-    drafter = tiny_drafter(target, head="domino", block_size=4)
+    drafter = tiny_drafter(target, head="domino", block_size=4, fuse_context=fuse)
     ids = torch.tensor([[3, 8, 1, 9, 22, 5, 7, 7, 40, 2, 11, 13, 6, 6, 19]])
     out = target.forward(ids, target.new_cache())
     feats = out.features  # [1, S, n*H]
-    cache = drafter.new_cache()
+    cache = drafter.new_cache(max_len=4)  # it doubles on the way
     anchors_pos, z_cached = [], []
     with torch.inference_mode():
         for upto in (5, 6, 9, 14):  # grow the cache in uneven chunks
@@ -194,6 +198,10 @@ def test_draft_context_cache_matches_recomputation(qwen3_target):
         pos = torch.tensor(anchors_pos)
         z_full = drafter.forward_blocks(feats, pos, ids[0, pos])
     assert torch.allclose(torch.stack(z_cached), z_full, atol=1e-10)
+    if fuse:  # control: the fusion reaches the blocks (without it they move)
+        with torch.no_grad():
+            drafter.fuse.weight.zero_()
+            assert not torch.allclose(drafter.forward_blocks(feats, pos, ids[0, pos]), z_full, atol=1e-6)
 
 
 def test_target_cache_rollback_matches_recomputation(llama_target):

@@ -117,11 +117,20 @@ def test_mixed_batch_gives_every_greedy_request_its_batch1_output(kind, target, 
         assert engine.stats()["draft_skipped"] > 0
 
 
-@pytest.mark.parametrize("head", ["domino", "none"])
+@pytest.mark.parametrize("head", ["domino", "none", "domino+fuse"])
 def test_one_drafter_pass_for_all_rows_proposes_what_each_row_would_alone(head, target):
     """Rows with different context lengths share one masked backbone pass: every cycle accepts exactly as
-    many drafts as the batch-1 loop's (greedy: the proposals themselves must agree)."""
-    drafter = tiny_drafter(target, head=head, block_size=4, draft_vocab=40 if head == "none" else 0)
+    many drafts as the batch-1 loop's (greedy: the proposals themselves must agree); with the fused last
+    context row, each row reads its own."""
+    name, _, fuse = head.partition("+")
+    drafter = tiny_drafter(
+        target,
+        head=name,
+        block_size=4,
+        seed=2 if fuse else 1,  # a random fused drafter that has drafts accepted
+        draft_vocab=40 if name == "none" else 0,
+        fuse_context=bool(fuse),
+    )
     engine = Engine(target, drafter, policy="fixed", max_batch=3)
     prompts = [[1, 2, 3], [5, 9, 11, 2, 7, 8, 30, 4, 4, 17], [4, 4, 4, 4, 4, 4, 1]]
     handles = [engine.submit(EngineRequest(p, 24, eos_ids=[])) for p in prompts]

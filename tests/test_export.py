@@ -563,6 +563,9 @@ def test_cli_init_serve_with_refuses_before_loading_a_target(tmp_path, capsys):
     rc = main(["init", "--target", str(tmp_path / "nowhere"), "--out", str(tmp_path / "d"), "--serve-with", "vllm"])
     assert rc == 2
     assert "--mask-token-id" in capsys.readouterr().err
+    args = ["init", "--target", str(tmp_path / "nowhere"), "--out", str(tmp_path / "d"), "--serve-with", "sglang"]
+    assert main([*args, "--mask-token-id", "16", "--fuse-context"]) == 2
+    assert "no serving engine reads the fused context row" in capsys.readouterr().err
 
 
 def test_cli_export_writes_the_export_and_prints_the_serve_command(target, tmp_path, capsys):

@@ -14,12 +14,13 @@ from dominospec.train.blocks import anchor_candidates, dense_or_sampled_anchors
 from dominospec.train.trainer import TrainConfig, Trainer
 
 
-def test_forward_packed_equals_forward_blocks_per_sequence(qwen3_target):
-    d = tiny_drafter(qwen3_target, block_size=4).double()
+@pytest.mark.parametrize("fuse", [False, True])
+def test_forward_packed_equals_forward_blocks_per_sequence(fuse, qwen3_target):
+    d = tiny_drafter(qwen3_target, block_size=4, fuse_context=fuse).double()
     torch.manual_seed(0)
-    lengths, counts = [13, 9], [3, 2]
+    lengths, counts = [13, 9], [3, 3]
     feats = [torch.randn(n, d.fc.in_features, dtype=torch.float64) for n in lengths]
-    anchor_pos = [torch.tensor([0, 5, 11]), torch.tensor([3, 8])]
+    anchor_pos = [torch.tensor([0, 5, 11]), torch.tensor([0, 3, 8])]  # anchor 0 of the second: no row before it
     tokens = [torch.randint(0, qwen3_target.vocab_size, (n,)) for n in counts]
     packed = d.forward_packed(torch.cat(feats), lengths, torch.cat(anchor_pos), torch.cat(tokens), counts)
     apart = torch.cat([d.forward_blocks(f.unsqueeze(0), a, t) for f, a, t in zip(feats, anchor_pos, tokens)])

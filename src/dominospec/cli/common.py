@@ -140,6 +140,12 @@ def add_arch_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--confidence-head", action="store_true", help="add a DSpark confidence head")
     p.add_argument(
+        "--fuse-context",
+        action="store_true",
+        help="add a projection of the target's last context row to every block row's input (EAGLE-style; "
+        "no serving engine reads it, so export refuses it); with --init, adds one that starts at zero",
+    )
+    p.add_argument(
         "--mask-token-id",
         type=int,
         default=None,
@@ -162,6 +168,11 @@ def check_arch_args(args) -> None:
     require_at_least(args, 1, "layers", "block_size", "intermediate_size", "gru_hidden_size", "rank", "path_candidates")
     require_at_least(args, 0, "mask_token_id")
     if args.serve_with:
+        if getattr(args, "fuse_context", False):
+            raise DominoError(
+                f"--serve-with {args.serve_with} --fuse-context: no serving engine reads the fused context row; "
+                "drop one of them"
+            )
         serve_with_arch(args)
 
 
@@ -186,6 +197,7 @@ def arch_from_args(args, target) -> dict:
         path_candidates=args.path_candidates,
         confidence_head=args.confidence_head,
         mask_token_id=args.mask_token_id,
+        fuse_context=args.fuse_context or None,
     ) | (serve_with_arch(args) if args.serve_with else {})
 
 

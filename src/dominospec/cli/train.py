@@ -98,6 +98,8 @@ def cmd_train(args) -> int:
         }
     if args.init and args.layers is not None:
         job.init_layers = args.layers
+    if args.init and args.fuse_context:
+        job.init_fuse = True
     train_drafter(target, job)
     return 0
 

@@ -34,6 +34,9 @@ class DrafterConfig:
     block_size: int = 8
     mask_token_id: int | None = None  # None: a learned mask vector
     draft_vocab_size: int = 0  # >0: score only this many frequent tokens (lossless; cheaper on CPU)
+    # add a projection of the last context row before the anchor (the target's state there) to every block
+    # row's input, as EAGLE feeds its drafter the target's last feature; no serving engine reads it
+    fuse_context: bool = False
     # sequential head
     head: str = "domino"
     gru_hidden_size: int = 256

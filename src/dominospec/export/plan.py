@@ -65,6 +65,12 @@ def plan_export(c: DrafterConfig, fmt: str, mask_token_id: int | None = None, al
             f"--to {fmt}: no serving engine has a path-selector head (SGLang and vLLM load Domino and DSpark heads); "
             "export a drafter trained with --head domino, markov or rnn"
         )
+    if c.fuse_context:
+        raise DominoError(
+            f"--to {fmt}: the drafter fuses the target's last context row into its block inputs (fuse_context), "
+            "and no serving engine's DFlash or DSpark model reads that projection; export a drafter trained "
+            "without --fuse-context"
+        )
     kind = _engine_kind(c, fmt)
     if kind == "domino" and fmt in ("vllm", "speculators"):
         raise DominoError(

@@ -183,16 +183,22 @@ class KVCache:
         self._allocate(cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device)
 
     @classmethod
-    def allocate(cls, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> KVCache:
-        """A cache of any layer / head shape (the drafter's layers, say)."""
+    def allocate(
+        cls, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, row_dim: int = 0
+    ) -> KVCache:
+        """A cache of any layer / head shape (the drafter's layers, say); row_dim > 0 also keeps one vector of
+        that size per position (`kept`: the drafter's context rows when it fuses the last one)."""
         cache = cls.__new__(cls)
         cache._allocate(layers, batch, kv_heads, max_len, head_dim, dtype, device)
+        if row_dim:
+            cache.kept = torch.zeros(batch, max_len, row_dim, dtype=dtype, device=device)
         return cache
 
     def _allocate(self, layers, batch, kv_heads, max_len, head_dim, dtype, device) -> None:
         shape = (layers, batch, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kept: torch.Tensor | None = None  # [batch, max_len, row_dim] per-position vectors, if asked for
         self.lengths = [0] * batch
         self.claimed = [False] * batch  # slot bookkeeping (claim / release)
 
@@ -238,6 +244,8 @@ class KVCache:
         """Drop every row not in `rows` (finished sequences of a batch), keeping their order."""
         idx = torch.tensor(rows, device=self.k.device)
         self.k, self.v = self.k.index_select(1, idx), self.v.index_select(1, idx)
+        if self.kept is not None:
+            self.kept = self.kept.index_select(0, idx)
         self.lengths = [self.lengths[r] for r in rows]
         self.claimed = [self.claimed[r] for r in rows]
 
@@ -252,6 +260,7 @@ class KVCache:
         """
         view = KVCache.__new__(KVCache)
         view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.kept = None if self.kept is None else self.kept[start:stop]
         view.lengths = self.lengths[start:stop]
         view.claimed = self.claimed[start:stop]
         return view
@@ -274,6 +283,10 @@ class KVCache:
             new = old.new_zeros(*old.shape[:3], new_len, old.shape[4])
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
+        if self.kept is not None:
+            kept = self.kept.new_zeros(self.kept.shape[0], new_len, self.kept.shape[2])
+            kept[:, : self.kept.shape[1]] = self.kept
+            self.kept = kept
 
 
 class Rope:

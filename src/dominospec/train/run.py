@@ -48,6 +48,7 @@ class TrainJob:
     init: str | Path | None = None  # start from this drafter directory instead of a fresh one
     init_head: dict | None = None  # with init: a new untrained head on its backbone (head + head fields)
     init_layers: int | None = None  # with init: grow the drafter to this many backbone layers (Drafter.with_layers)
+    init_fuse: bool = False  # with init: add the fused last context row, starting at zero (Drafter.with_fusion)
     init_from_layer: int | None = None  # a fresh drafter's layers start from the target's layers J, J+1, ...
     val_data: str | Path | None = None  # validate on this directory instead of a held-out part of `data`
     val_fraction: float = 0.05  # conversations held out for validation, by id hash
@@ -78,6 +79,8 @@ class TrainJob:
             raise DominoError("a new head on a trained backbone needs --init DIR")
         if self.init_layers is not None and not self.init:
             raise DominoError("growing a drafter by layers needs --init DIR")
+        if self.init_fuse and not self.init:
+            raise DominoError("adding a context fusion to a trained drafter needs --init DIR")
         if self.features_only and not self.feature_cache:
             raise DominoError("--features-only fills a feature cache: pass --feature-cache DIR")
         if self.init and self.init_from_layer is not None:
@@ -176,6 +179,9 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
             old_layers = drafter.config.num_layers
             drafter = drafter.with_layers(job.init_layers).attach(target)
             log(f"grew {job.init} from {old_layers} to {job.init_layers} backbone layers (the new add nothing yet)")
+        if job.init_fuse and drafter.fuse is None:
+            drafter = drafter.with_fusion().attach(target)
+            log(f"{job.init} now fuses the last context row into its block inputs (the projection starts at zero)")
         if job.draft_vocab is not None:
             drafter = new_draft_vocab(drafter, target, samples, job.draft_vocab, job.init)
     else:
