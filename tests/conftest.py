@@ -110,6 +110,8 @@ def tiny_drafter(
         for name, p in d.named_parameters():
             if name.startswith("head.") and name.endswith("w2.weight"):
                 torch.nn.init.normal_(p, std=2.0)
+    if fuse_context:  # a fresh fusion is faint (FUSE_SCALE); make it move the block inputs
+        torch.nn.init.normal_(d.fuse.weight, std=1.0)
     return d.attach(target)
 
 

@@ -13,6 +13,7 @@ from dominospec import DominoError, SamplingConfig, Target, generate_autoregress
 from dominospec.decode import CostTable, PromptLookup, Proposal
 from dominospec.decode.schedule import BatchCostTable, CostPolicy, VerifyPolicy, allocate_verify
 from dominospec.engine import Engine, EngineFull, EngineRequest
+from dominospec.engine.memory import slot_bytes_needed
 from dominospec.tune.policy import make_policy
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(1.0)
@@ -132,6 +133,7 @@ def test_one_drafter_pass_for_all_rows_proposes_what_each_row_would_alone(head, 
         fuse_context=bool(fuse),
     )
     engine = Engine(target, drafter, policy="fixed", max_batch=3)
+    assert engine.slot_bytes == slot_bytes_needed(target, drafter, engine.max_len)  # what the memory check counts
     prompts = [[1, 2, 3], [5, 9, 11, 2, 7, 8, 30, 4, 4, 17], [4, 4, 4, 4, 4, 4, 1]]
     handles = [engine.submit(EngineRequest(p, 24, eos_ids=[])) for p in prompts]
     engine.run_until_idle()

@@ -29,6 +29,14 @@ from .fast import PackedDrafter, drafter_weight_format, fast_enabled, watched_te
 from .heads import HEADS, ConfidenceHead
 from .layers import DraftLayer, RMSNorm, block_attention_mask, rope_tables
 
+# The fused last context row is RMS-normed (entries ~1) while a token embedding's entries are ~0.05-0.1: the
+# projection's output is scaled down so that Adam, which moves every weight by ~lr per step whatever its
+# gradient's size, moves the block inputs by about as much as it moves any other layer's. Unscaled, a zeroed
+# projection added to the shipped drafter cost 0.12 validation tau in 4 steps (0.00 without it); gated by a
+# scalar that starts at zero, it never started (gate 0.002 after 450 steps: the projection's gradient, scaled
+# by the gate, drowned in Adam's epsilon).
+FUSE_SCALE = 0.02
+
 
 class DraftCache:
     """One sequence's row of a per-row draft cache (a KVCache slot): K/V of committed context rows
@@ -53,10 +61,6 @@ class Drafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size)) if c.mask_token_id is None else None
         self.fuse = nn.Linear(c.hidden_size, c.hidden_size, bias=False) if c.fuse_context else None
-        # a scalar gate on the fusion: 0 makes it add nothing while its projection still learns, which a
-        # zeroed projection would not (Adam's first steps move every entry of it by ~lr at once: adding a
-        # zeroed fusion to the shipped drafter cost 0.12 validation tau in 4 steps, against 0.00 without it)
-        self.fuse_gate = nn.Parameter(torch.ones(1)) if c.fuse_context else None
         self.head = HEADS[c.head](c)
         self.confidence = ConfidenceHead(c) if c.confidence_head else None
         self.directory: Path | None = None  # set by from_pretrained: where the sidecar files live
@@ -224,7 +228,7 @@ class Drafter(nn.Module):
         if self.fuse is not None:
             if last is None:
                 raise DominoError("internal: a drafter that fuses the last context row was not given it")
-            x = x + (self.fuse_gate * self.fuse(last.to(x.dtype))).unsqueeze(1)
+            x = x + FUSE_SCALE * self.fuse(last.to(x.dtype)).unsqueeze(1)
         return x
 
     def last_context(self, ctx: torch.Tensor, anchor_pos: torch.Tensor, offsets=None) -> torch.Tensor | None:
@@ -459,15 +463,15 @@ class Drafter(nn.Module):
         return fresh.train(self.training)
 
     def with_fusion(self) -> Drafter:
-        """A copy of this drafter that fuses the last context row into its block inputs (fuse_context), its gate
-        starting at zero so it drafts exactly as this one did until it trains; attach it before use."""
+        """A copy of this drafter that fuses the last context row into its block inputs (fuse_context), the
+        projection starting at zero so it drafts exactly as this one did until it trains; attach it before use."""
         if self.fuse is not None:
             raise DominoError("this drafter fuses the last context row already")
         fresh = self._remade(fuse_context=True)
         missing, unexpected = fresh.load_state_dict(self.state_dict(), strict=False)
-        assert not unexpected and sorted(missing) == ["fuse.weight", "fuse_gate"], (missing, unexpected)
+        assert not unexpected and missing == ["fuse.weight"], (missing, unexpected)
         with torch.no_grad():
-            fresh.fuse_gate.zero_()
+            fresh.fuse.weight.zero_()
         return fresh.train(self.training)
 
     def num_trainable_parameters(self) -> int:

@@ -20,6 +20,8 @@ def slot_bytes_needed(target, drafter, max_len: int) -> int:
     if drafter is not None:
         c = drafter.config
         n += kv_bytes(len(drafter.layers), c.num_key_value_heads, c.head_dim, max_len, drafter.dtype)
+        if c.fuse_context:  # its context rows, kept for the fused last one
+            n += max_len * c.hidden_size * drafter.dtype.itemsize
     return n
 
 

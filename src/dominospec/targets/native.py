@@ -212,7 +212,8 @@ class KVCache:
 
     @property
     def bytes_per_row(self) -> int:
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
+        kept = 0 if self.kept is None else self.kept[0].numel() * self.kept.element_size()
+        return 2 * self.k[:, 0].numel() * self.k.element_size() + kept
 
     def length(self, row: int = 0) -> int:
         return self.lengths[row]
