@@ -168,18 +168,18 @@ def check_arch_args(args) -> None:
     require_at_least(args, 1, "layers", "block_size", "intermediate_size", "gru_hidden_size", "rank", "path_candidates")
     require_at_least(args, 0, "mask_token_id")
     if args.serve_with:
-        if getattr(args, "fuse_context", False):
-            raise DominoError(
-                f"--serve-with {args.serve_with} --fuse-context: no serving engine reads the fused context row; "
-                "drop one of them"
-            )
         serve_with_arch(args)
 
 
 def serve_with_arch(args) -> dict:
     """--serve-with: the head, mask and confidence inputs that export exactly (refuses flags that cannot)."""
     return arch_for_engine(
-        args.serve_with, args.head, args.mask_token_id, args.confidence_head, getattr(args, "draft_vocab", 0)
+        args.serve_with,
+        args.head,
+        args.mask_token_id,
+        args.confidence_head,
+        getattr(args, "draft_vocab", 0),
+        args.fuse_context,
     )
 
 
@@ -197,7 +197,7 @@ def arch_from_args(args, target) -> dict:
         path_candidates=args.path_candidates,
         confidence_head=args.confidence_head,
         mask_token_id=args.mask_token_id,
-        fuse_context=args.fuse_context or None,
+        fuse_context=args.fuse_context,
     ) | (serve_with_arch(args) if args.serve_with else {})
 
 

@@ -29,12 +29,9 @@ from .fast import PackedDrafter, drafter_weight_format, fast_enabled, watched_te
 from .heads import HEADS, ConfidenceHead
 from .layers import DraftLayer, RMSNorm, block_attention_mask, rope_tables
 
-# The fused last context row is RMS-normed (entries ~1) while a token embedding's entries are ~0.05-0.1: the
-# projection's output is scaled down so that Adam, which moves every weight by ~lr per step whatever its
-# gradient's size, moves the block inputs by about as much as it moves any other layer's. Unscaled, a zeroed
-# projection added to the shipped drafter cost 0.12 validation tau in 4 steps (0.00 without it); gated by a
-# scalar that starts at zero, it never started (gate 0.002 after 450 steps: the projection's gradient, scaled
-# by the gate, drowned in Adam's epsilon).
+# The fused last context row is RMS-normed (entries ~1), a token embedding's entries ~0.05-0.1, and Adam moves
+# every weight by ~lr per step: unscaled, a projection starting at zero swamped the anchor's embedding within a
+# few steps (docs/training.md, "The target's last context row fused into the block").
 FUSE_SCALE = 0.02
 
 
@@ -307,10 +304,10 @@ class Drafter(nn.Module):
         """
         lens = [rows.lengths[s] for s in slots]
         last = None
-        if self.fuse is not None:  # each slot's last context row (zeros for an empty context)
-            last = torch.stack(
-                [rows.kept[s, n - 1] if n else rows.kept.new_zeros(rows.kept.shape[2]) for s, n in zip(slots, lens)]
-            )
+        if self.fuse is not None:  # each slot's last context row, zeros for an empty context (one gather)
+            n = torch.tensor(lens, device=rows.kept.device)
+            at = (torch.tensor(slots, device=n.device), (n - 1).clamp(min=0))
+            last = rows.kept[at] * (n > 0).unsqueeze(1).to(rows.kept.dtype)
         x = self.block_inputs(anchors, last)  # [R, B, H]
         C, bs, dev = max(lens), self.config.block_size, x.device
         pos = torch.tensor(lens, device=dev)[:, None] + torch.arange(bs, device=dev)  # [R, B]

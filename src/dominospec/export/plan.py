@@ -190,7 +190,12 @@ def why_not_exact(c: DrafterConfig, engine: str) -> str | None:
 
 
 def arch_for_engine(
-    engine: str, head: str | None, mask_token_id: int | None, confidence_head: bool, draft_vocab: int = 0
+    engine: str,
+    head: str | None,
+    mask_token_id: int | None,
+    confidence_head: bool,
+    draft_vocab: int = 0,
+    fuse_context: bool = False,
 ) -> dict:
     """DrafterConfig fields for `init`/`train --serve-with ENGINE`: only what exports exactly.
 
@@ -219,6 +224,10 @@ def arch_for_engine(
         raise DominoError(
             f"--serve-with sglang --draft-vocab {draft_vocab}: SGLang scores the full vocabulary; drop "
             "--draft-vocab, or use --serve-with vllm (which keeps a draft vocabulary exactly)"
+        )
+    if fuse_context:
+        raise DominoError(
+            f"--serve-with {engine} --fuse-context: no serving engine reads the fused context row; drop one of them"
         )
     if confidence_head and head == "domino":
         raise DominoError(
