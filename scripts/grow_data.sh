@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Grow data/smollm2-135m from the imported prompts (prompts/train, `dominospec import-prompts`) in
-# chunks, each its own resumable prepare-data run and, once complete, the data set's next part.
+# Grow data/smollm2-135m from the imported prompts (PROMPTS, default prompts/train; `dominospec
+# import-prompts`) in chunks, each its own resumable prepare-data run and, once complete, the data
+# set's next part.
 #
-# Chunk k holds the prompts [k*CHUNK, (k+1)*CHUNK) of `mix:prompts/train` drawn with SEED (the
+# Chunk k holds the prompts [k*CHUNK, (k+1)*CHUNK) of `mix:PROMPTS` drawn with SEED (the
 # categories take turns, so every chunk mixes them evenly). Rerun the same command to resume: a
 # finished chunk is already a part (nothing to do), a killed one restarts at its last finished shard.
+# Chunks of prompts/train run as runs/data/mix-sSEED-cK, of another folder as runs/data/FOLDER-sSEED-cK.
 #
 #   FEATURES=/path/outside/git FIRST=0 LAST=18 scripts/grow_data.sh
+#   FEATURES=/path/outside/git PROMPTS=prompts/passages FIRST=0 LAST=0 scripts/grow_data.sh
 #
 # DOMINOSPEC: how to call the CLI (default `dominospec`); the features the generating passes compute
 # go to FEATURES, for `train --feature-cache FEATURES`.
@@ -15,13 +18,16 @@ FIRST=${FIRST:-0}
 LAST=${LAST:-18}
 CHUNK=${CHUNK:-384}
 SEED=${SEED:-21}
+PROMPTS=${PROMPTS:-prompts/train}
+TAG=mix
+[[ "$PROMPTS" == prompts/train ]] || TAG=$(basename "$PROMPTS")
 FEATURES=${FEATURES:?set FEATURES to a feature cache folder outside the repository}
 read -r -a CLI <<< "${DOMINOSPEC:-dominospec}"
 for k in $(seq "$FIRST" "$LAST"); do
     echo "[grow_data] chunk $k: prompts $((k * CHUNK))..$(((k + 1) * CHUNK)) $(date -u +%FT%TZ)"
     "${CLI[@]}" prepare-data --target smollm2-135m --threads 1 --max-new-tokens 384 --temperature 0.7 \
         --top-p 0.8 --batch-size 32 --shard-size 128 --sampler slots \
-        --prompts "mix:prompts/train:$(((k + 1) * CHUNK))" --seed "$SEED" --skip $((k * CHUNK)) \
-        --out "runs/data/mix-s$SEED-c$k" --extend data/smollm2-135m --feature-cache "$FEATURES"
+        --prompts "mix:$PROMPTS:$(((k + 1) * CHUNK))" --seed "$SEED" --skip $((k * CHUNK)) \
+        --out "runs/data/$TAG-s$SEED-c$k" --extend data/smollm2-135m --feature-cache "$FEATURES"
     echo "[grow_data] chunk $k done $(date -u +%FT%TZ)"
 done

@@ -124,6 +124,51 @@ def test_a_file_named_like_a_test_split_is_refused(tmp_path):
         import_prompts("gsm8k-train", raw, tmp_path / "out", COMMIT, EVAL_SETS, report=lambda _: None)
 
 
+PASSAGE = (
+    "The Marrow Valley railway opened in 1871 to carry slate from the quarries at Bryn Uchaf to the harbour at "
+    "Porth Isaf. Its narrow gauge let it climb the steep valley sides, and for forty years it carried more than "
+    "eighty thousand tons a year. Passenger trains ran from 1879 until the line closed in 1936, when road "
+    "transport had taken most of its traffic; volunteers reopened the lower section as a heritage line in 1962."
+)
+
+
+def p3_row(question: str, passage: str = PASSAGE) -> dict:
+    return {"prompt": f'Question: "{question}"\n\nContext: "{passage}"\n\nAnswer:\n', "completion": "x"}
+
+
+def test_passage_rows_group_questions_by_passage_and_name_bad_rows(tmp_path):
+    folder = tmp_path / "data_per_template"
+    write_jsonl(
+        folder / "adversarial_qa_dbert_question_context_answer.jsonl",
+        [
+            p3_row("when did the railway open?"),
+            {"prompt": "Answer this: what is slate?", "completion": "a rock"},
+            p3_row("what did the railway carry?"),
+            p3_row("when did the railway open?"),
+            p3_row("how long?", passage="Too short to work on."),
+        ],
+    )
+    # other templates and data sets of the folder are not read, nor refused for their names
+    write_jsonl(folder / "quoref_Answer_Test.jsonl", [{"prompt": "unrelated"}])
+    write_jsonl(folder / "adversarial_qa_dbert_based_on.jsonl", ["{not json"])
+    result = convert_rows(SOURCES["adversarialqa-train"], folder, report=lambda _: None)
+    assert result.malformed == [
+        "adversarial_qa_dbert_question_context_answer.jsonl:2: the prompt does not have its template's layout "
+        "(passage and question)"
+    ]
+    first, task = result.prompts  # the short passage is left out, the repeated question asked once
+    assert first["category"] == "multi-turn" and first["from"].endswith(".jsonl:1")
+    assert PASSAGE in first["turns"][0] and "When did the railway open?" in first["turns"][0]
+    assert first["turns"][1:] == ["What did the railway carry?"]
+    assert task["category"] in ("summarise", "rewrite", "multi-turn") and PASSAGE in task["turns"][0]
+
+    entry = import_prompts("adversarialqa-train", folder, tmp_path / "out", COMMIT, EVAL_SETS, report=lambda _: None)
+    assert entry["raw_files"] == 1 and entry["licence"] == "CC-BY-SA-3.0" and entry["count"] == 2
+    write_jsonl(folder / "adversarial_qa_test_question_context_answer.jsonl", [p3_row("when?")])
+    with pytest.raises(DominoError, match="held-out"):
+        import_prompts("adversarialqa-train", folder, tmp_path / "out", COMMIT, EVAL_SETS, report=lambda _: None)
+
+
 def test_cli_imports_and_refuses_an_overlapping_source(tmp_path, capsys):
     raw = write_jsonl(tmp_path / "train.jsonl", [{"question": q} for q in CLEAN_MATH])
     args = ["import-prompts", "gsm8k-train", str(raw), "--commit", COMMIT, "--out", str(tmp_path / "p")]
@@ -201,11 +246,14 @@ def test_documentation_sections_become_text_tasks(tmp_path):
     assert "x = 1" not in prompt["turns"][0] and "example follows" not in prompt["turns"][0]
 
 
-def test_shipped_prompt_sources_are_recorded_and_share_nothing_with_the_eval_sets():
-    manifest, rows = read_imported(REPO / "prompts" / "train")
+@pytest.mark.parametrize("folder", ["train", "passages"])
+def test_shipped_prompt_sources_are_recorded_and_share_nothing_with_the_eval_sets(folder):
+    manifest, rows = read_imported(REPO / "prompts" / folder)
     for name, entry in manifest["sources"].items():
         assert entry["licence"] and entry["url"].startswith("https://") and entry["commit"], name
         assert entry["count"] == len(rows[name]) == sum(entry["categories"].values()), name
+        licences = (REPO / "prompts" / folder / "LICENSES").iterdir()
+        assert any(p.name.startswith(entry["licence"]) for p in licences), f"{name}: no {entry['licence']} text"
     reference = build_reference(EVAL_SETS)
     prompts = [(cid, turns) for source in rows.values() for cid, turns, _ in source]
     assert find_overlaps(prompts, reference) == []
@@ -224,3 +272,10 @@ def test_grow_data_chunks_continue_one_draw(tmp_path):
         assert arg["--prompts"] == f"mix:prompts/train:{10 * (k + 1)}" and arg["--skip"] == str(10 * k)
         assert arg["--seed"] == "21" and arg["--out"] == f"runs/data/mix-s21-c{k}"
         assert arg["--extend"] == "data/smollm2-135m" and arg["--feature-cache"] == str(tmp_path)
+    env.update(PROMPTS="prompts/passages", FIRST="0", LAST="0")
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "grow_data.sh")], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    call = next(line.split() for line in out.splitlines() if line.startswith("prepare-data"))
+    arg = dict(zip(call, call[1:]))
+    assert arg["--prompts"] == "mix:prompts/passages:10" and arg["--out"] == "runs/data/passages-s21-c0"

@@ -54,6 +54,10 @@ class PromptSource:
     note: str
     rows: Callable[[Path], Iterator[Row]]
     convert: Callable[[object, random.Random], list[Prompt]]  # ValueError: a malformed row
+    files: str = "*"  # the files of a RAW folder this source reads (its held-out check and provenance cover those)
+
+    def raw_files(self, raw: Path) -> list[Path]:
+        return [raw] if raw.is_file() else sorted(p for p in raw.rglob(self.files) if p.is_file())
 
 
 # ----- reading raw files: (FILE:LINE, row) pairs -----
@@ -71,9 +75,9 @@ def _label(path: Path, raw: Path) -> str:
     return path.name if raw.is_file() else str(path.relative_to(raw))
 
 
-def jsonl_rows(raw: Path) -> Iterator[Row]:
+def jsonl_rows(raw: Path, pattern: str = "*.jsonl") -> Iterator[Row]:
     """One row per non-empty line; a line that is not JSON comes as its ValueError."""
-    for path in _files(raw, "*.jsonl"):
+    for path in _files(raw, pattern):
         with path.open("rb") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
@@ -336,6 +340,86 @@ def sgd_dialogue(row, rng) -> list[Prompt]:
     return prompts
 
 
+# Reading-comprehension rows as P3 (the prompts T0 was trained on) lays them out, one template per data set, as
+# the self-instruct repository keeps 200 training rows of each template (data/finetuning/t0_train_50k)
+ADVERSARIAL_QA = re.compile(r'Question: "(?P<q>[^\n]+?)"\n\nContext: "(?P<p>.+)"\n\nAnswer:\n?', re.S)
+QUOREF = re.compile(r"(?P<q>[^\n]+)\n\nAnswer the above question based on the context below:\n\n(?P<p>.+?)\n?", re.S)
+ROPES = re.compile(
+    r"Given the background: (?P<p>.+?)\n\nand the situation: (?P<s>.+?)\n\n"
+    r"Answer the following question: (?P<q>[^\n]+)\n?",
+    re.S,
+)
+
+
+def passage_rows(pattern: str, layout: re.Pattern) -> Callable[[Path], Iterator[Row]]:
+    """Rows of a reading-comprehension data set grouped by passage: {"text", "questions"} named by the passage's
+    first row (the data sets ask several questions about each passage, one row each). A row whose prompt does not
+    have the layout comes as its ValueError."""
+
+    def rows(raw: Path) -> Iterator[Row]:
+        passages: dict[str, tuple[str, list[str]]] = {}
+        for location, row in jsonl_rows(raw, pattern):
+            try:
+                match = layout.fullmatch(_text(row, "prompt")) if not isinstance(row, ValueError) else None
+                if match is None:
+                    raise (
+                        row
+                        if isinstance(row, ValueError)
+                        else ValueError("the prompt does not have its template's layout (passage and question)")
+                    )
+            except ValueError as exc:
+                yield location, exc
+                continue
+            parts = match.groupdict()
+            text = "\n\n".join(parts[k].strip() for k in ("p", "s") if parts.get(k))
+            question = parts["q"].strip()
+            question = question[0].upper() + question[1:]
+            questions = passages.setdefault(text, (location, []))[1]
+            if question not in questions:
+                questions.append(question)
+        for text, (location, questions) in passages.items():
+            yield location, {"text": text, "questions": questions}
+
+    return rows
+
+
+def passage_tasks(text_task_too: bool):
+    """A passage of 40-400 words and its crowd-written questions: one conversation asking up to three of them in
+    turn (rag, or multi-turn with more than one), and (text_task_too) the passage to summarise or rewrite."""
+
+    def convert(row, rng) -> list[Prompt]:
+        text, questions = row["text"], row["questions"][:3]
+        if not 40 <= len(text.split()) <= 400:
+            return []
+        turns = [rng.choice(RAG).format(text=text, q=questions[0]), *questions[1:]]
+        prompts = [(turns, "rag" if len(turns) == 1 else "multi-turn")]
+        if text_task_too:
+            if rng.random() < 0.5:
+                task = rng.choice(SUMMARISE).format(text=text, k=rng.choice(("two", "three", "four"))), "summarise"
+            else:
+                task = rng.choice(REWRITE).format(text=text), "rewrite"
+            prompts.append(_with_follow_up(*task, rng, 0.15))
+        return prompts
+
+    return convert
+
+
+def p3_source(name: str, licence: str, files: str, layout: re.Pattern, note: str, text_task_too=True) -> PromptSource:
+    """A reading-comprehension data set's training rows in P3's layout, one template's file(s), as the
+    self-instruct repository keeps them."""
+    folder = "data/finetuning/t0_train_50k/data_per_template"
+    return PromptSource(
+        name,
+        licence,
+        "https://github.com/yizhongw/self-instruct",
+        f"{folder}/{files}",
+        f"{note} (train rows in P3's layout)",
+        passage_rows(files, layout),
+        passage_tasks(text_task_too),
+        files=files,
+    )
+
+
 SOURCES = {
     s.name: s
     for s in (
@@ -394,6 +478,30 @@ SOURCES = {
             json_array_rows,
             sgd_dialogue,
         ),
+        p3_source(
+            "adversarialqa-train",
+            "CC-BY-SA-3.0",
+            "adversarial_qa_*_question_context_answer.jsonl",
+            ADVERSARIAL_QA,
+            "AdversarialQA (Bartolo et al. 2020; Wikipedia passages): each passage's questions in turn, and the "
+            "passage to summarise or rewrite",
+        ),
+        p3_source(
+            "quoref-train",
+            "CC-BY-4.0",
+            "quoref_Given_Context_Answer_Question.jsonl",
+            QUOREF,
+            "Quoref (Dasigi et al. 2019; Wikipedia passages): each passage's questions in turn, and the passage to "
+            "summarise or rewrite",
+        ),
+        p3_source(
+            "ropes-train",
+            "CC-BY-4.0",
+            "ropes_given_background_situation.jsonl",
+            ROPES,
+            "ROPES (Lin et al. 2019; a background passage and a situation): the questions over both in turn",
+            text_task_too=False,
+        ),
     )
 }
 
@@ -451,7 +559,8 @@ def import_prompts(
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     if not raw.exists():
         raise DominoError(f"{raw}: no such file or folder")
-    held_out = [p for p in ([raw] if raw.is_file() else raw.rglob("*")) if p.is_file() and _HELD_OUT.search(p.name)]
+    raw_files = source.raw_files(raw)
+    held_out = [p for p in raw_files if _HELD_OUT.search(p.name)]
     if held_out:
         raise DominoError(f"{held_out[0]}: named like a held-out (test/eval) split; only training data is imported")
     result = convert_rows(source, raw, on_error, report)
@@ -463,7 +572,6 @@ def import_prompts(
         result.prompts = [p for p in result.prompts if p["from"] not in dropped]
     path = Path(out_dir) / f"{name}.jsonl.gz"
     write_atomic(path, _gzip_jsonl(result.prompts))
-    raw_files = [raw] if raw.is_file() else sorted(p for p in raw.rglob("*") if p.is_file())
     entry = {
         "licence": source.licence,
         "url": source.url,
