@@ -10,7 +10,7 @@ from conftest import synthetic_samples, tiny_drafter
 
 from dominospec import DominoError
 from dominospec.train.blocks import IGNORE, anchor_candidates, first_misses, replay_anchors
-from dominospec.train.objectives import acceptance_loss, dpace_factors, entropy_selection
+from dominospec.train.objectives import acceptance_loss, dpace_factors, entropy_selection, greedy_labels
 from dominospec.train.trainer import TrainConfig, Trainer
 
 
@@ -58,6 +58,12 @@ def test_entropy_selection_keeps_the_slots_the_target_is_least_sure_of():
     assert entropy_selection(p_t, weights, keep=1.0) is weights
 
 
+def test_greedy_labels_are_the_targets_most_likely_draft_token_where_supervised():
+    p_t = torch.tensor([[[0.1, 0.6, 0.2, 0.0], [0.9, 0.0, 0.0, 0.1], [0.3, 0.1, 0.0, 0.4]]])  # row 2 sums below 1
+    labels = torch.tensor([[2, IGNORE, 0]])
+    assert greedy_labels(labels, p_t, IGNORE).tolist() == [[1, IGNORE, 3]]
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [
@@ -79,6 +85,7 @@ def test_objective_options_are_range_checked(field, value, message):
         ({"accept_loss": 1.0}, "lk"),  # mixed with the CE at 0.5 the CE leads on the toy target (see docs)
         ({"entropy_keep": 0.5}, "ce_final"),
         ({"replay": 0.5}, "ce_final"),
+        ({"greedy_labels": True, "distill": 0.5}, "ce_final"),
     ],
 )
 def test_each_objective_trains_a_tiny_drafter_whose_loss_falls(options, term, tmp_path, qwen3_target):

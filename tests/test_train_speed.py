@@ -44,8 +44,8 @@ def test_dense_anchors_deterministic_per_seed_and_epoch():
     assert any(not torch.equal(a, dense_or_sampled_anchors(mask, 4, 4, 1, k)) for k, a in enumerate(again))
 
 
-@pytest.mark.parametrize("chunk", [128, 5])  # 5: a sequence's blocks split over micro-batches
-def test_packed_step_matches_per_sequence_step(chunk, qwen3_target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("chunk, greedy", [(128, False), (5, False), (5, True)])  # 5: blocks split over micro-batches
+def test_packed_step_matches_per_sequence_step(chunk, greedy, qwen3_target, tmp_path, monkeypatch):
     """fp32, the same features (both through the fp16 cache), dense anchors so both draw the same blocks."""
     monkeypatch.setattr(trainer_mod, "PACKED_BLOCKS", chunk)
     target = qwen3_target
@@ -53,7 +53,9 @@ def test_packed_step_matches_per_sequence_step(chunk, qwen3_target, tmp_path, mo
     runs = {}
     for packed in (False, True):
         d = tiny_drafter(target, block_size=4, confidence=True, draft_vocab=32).float()
-        cfg = TrainConfig(max_steps=2, batch_size=3, anchors=0, distill=0.5, lr=1e-3, packed=packed)
+        cfg = TrainConfig(
+            max_steps=2, batch_size=3, anchors=0, distill=0.5, lr=1e-3, packed=packed, greedy_labels=greedy
+        )
         t = Trainer(target, d, samples, tmp_path / str(packed), cfg, feature_cache=tmp_path / "cache", progress=False)
         (tmp_path / "cache").mkdir(exist_ok=True)
         t.features(list(range(len(samples))))  # both steps read the fp16 cache

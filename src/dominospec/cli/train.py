@@ -42,6 +42,7 @@ def cmd_train(args) -> int:
         position_weighting=args.position_weighting,
         accept_loss=args.accept_loss,
         entropy_keep=args.entropy_keep,
+        greedy_labels=args.greedy_labels,
         replay=args.replay,
         lambda_start=args.lambda_start,
         lambda_decay=args.lambda_decay,
@@ -245,6 +246,12 @@ def add_parser(sub) -> None:
         default=default(TrainConfig, "entropy_keep"),
         help="train on this fraction of the supervised slots of each micro-batch, those where the target is "
         "least certain (highest entropy), weighted 1/F (default %(default)s: all)",
+    )
+    p.add_argument(
+        "--greedy-labels",
+        action="store_true",
+        help="train the token loss on the target's greedy token at each slot (what greedy verification keeps) "
+        "instead of the data's sampled one; the blocks' inputs stay the data's tokens",
     )
     p.add_argument(
         "--memory-gb",

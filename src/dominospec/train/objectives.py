@@ -10,6 +10,10 @@
 - Token selection by target entropy (`--entropy-keep F`): of each micro-batch's supervised slots,
   only the fraction F where the target is least certain (highest entropy) are trained on, their
   weights scaled by 1/F so the loss keeps its size.
+- Greedy labels (`--greedy-labels`): the token loss (and the confidence head's hit) at each supervised
+  slot takes the target's most likely token of the draft vocabulary, the one greedy verification
+  keeps, instead of the data's token (on-policy answers are sampled at T > 0, so about one token in
+  five is not the target's greedy choice). The blocks' inputs stay the data's tokens.
 """
 
 from __future__ import annotations
@@ -56,3 +60,9 @@ def entropy_selection(p_t: torch.Tensor, weights: torch.Tensor, keep: float) -> 
         threshold = entropy[live].topk(k).values[-1]
         chosen = live & (entropy >= threshold)
     return torch.where(chosen, weights / keep, torch.zeros_like(weights))
+
+
+def greedy_labels(labels: torch.Tensor, p_t: torch.Tensor, ignore: int) -> torch.Tensor:
+    """[N, B] the target's most likely draft-vocabulary token where `labels` is supervised, `ignore` elsewhere.
+    p_t: [N, B, V'] its probabilities on the draft vocabulary."""
+    return torch.where(labels == ignore, labels, p_t.argmax(-1))

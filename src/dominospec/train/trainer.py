@@ -53,7 +53,7 @@ from .blocks import (
     teacher_forced_packed,
 )
 from .distributed import Dist
-from .objectives import POSITION_WEIGHTS, acceptance_loss, dpace_factors, entropy_selection
+from .objectives import POSITION_WEIGHTS, acceptance_loss, dpace_factors, entropy_selection, greedy_labels
 from .plots import plot_metrics
 from .validate import BestSoFar, Validator
 
@@ -90,6 +90,7 @@ class TrainConfig:
     position_weighting: str = "decay"  # "decay": exp(-k/gamma); "dpace": 0.5 + 0.5 * survival (objectives.py)
     accept_loss: float = 0.0  # weight of the LK-style -log(expected acceptance) loss (objectives.py)
     entropy_keep: float = 1.0  # train on this fraction of slots, those of highest target entropy
+    greedy_labels: bool = False  # token loss on the target's greedy token at each slot instead of the data's
     replay: float = 0.0  # share of a sample's anchors drawn where the drafter's draft was last rejected (packed)
     max_seq_len: int = 2048
     seed: int = 0
@@ -112,6 +113,7 @@ class TrainConfig:
         "accept_loss": 0.0,
         "entropy_keep": 1.0,
         "replay": 0.0,
+        "greedy_labels": False,
     }
 
     def __post_init__(self):
@@ -304,7 +306,13 @@ class Trainer:
     @property
     def needs_target_probs(self) -> bool:
         cfg = self.cfg
-        return self.head.needs_target_probs or cfg.distill > 0 or cfg.accept_loss > 0 or cfg.entropy_keep < 1
+        return (
+            self.head.needs_target_probs
+            or cfg.distill > 0
+            or cfg.accept_loss > 0
+            or cfg.entropy_keep < 1
+            or cfg.greedy_labels
+        )
 
     def features(self, idx: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Each sample's (layer features, final hidden state where the objective reads it, else None): read from
@@ -556,6 +564,8 @@ class Trainer:
                 if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
                     sub = d.to_draft_ids(labels.clamp_min(0))
                     labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
+                if self.cfg.greedy_labels:
+                    labels = greedy_labels(labels, p_t, IGNORE)
                 w = self.weights.unsqueeze(0) * (labels != IGNORE).float()
             with self._part("loss"):
                 loss, terms = self._loss(tf, p_t, lam, w, labels)
@@ -593,8 +603,6 @@ class Trainer:
         if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
             sub = d.to_draft_ids(labels.clamp_min(0))
             labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
-        valid = labels != IGNORE
-        w = self.weights.unsqueeze(0) * valid.float()  # [N, B]
         p_t = None
         if self.needs_target_probs:  # the target's distribution at each slot, from its final hidden state
             pos = (anchors.unsqueeze(1) + torch.arange(self.block, device=self.device)).clamp(max=ids.shape[0] - 1)
@@ -602,6 +610,9 @@ class Trainer:
                 p_t = torch.softmax(self.target.lm_head(final_hidden[pos]).to(z.dtype), -1)
                 if d.config.draft_vocab_size:
                     p_t = p_t[..., d.draft_vocab]  # mass outside the draft vocabulary adds 1 - sum
+        if self.cfg.greedy_labels:
+            labels = greedy_labels(labels, p_t, IGNORE)
+        w = self.weights.unsqueeze(0) * (labels != IGNORE).float()  # [N, B]
         with self._part("loss"):
             loss, terms = self._loss(tf, p_t, lam, w, labels)
         with torch.no_grad(), self._part("metrics"):
