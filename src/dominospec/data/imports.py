@@ -351,6 +351,9 @@ ROPES = re.compile(
 )
 
 
+LAYOUT_MISMATCH = "the prompt does not have its template's layout (passage and question)"
+
+
 def passage_rows(pattern: str, layout: re.Pattern) -> Callable[[Path], Iterator[Row]]:
     """Rows of a reading-comprehension data set grouped by passage: {"text", "questions"} named by the passage's
     first row (the data sets ask several questions about each passage, one row each). A row whose prompt does not
@@ -360,15 +363,11 @@ def passage_rows(pattern: str, layout: re.Pattern) -> Callable[[Path], Iterator[
         passages: dict[str, tuple[str, list[str]]] = {}
         for location, row in jsonl_rows(raw, pattern):
             try:
-                match = layout.fullmatch(_text(row, "prompt")) if not isinstance(row, ValueError) else None
-                if match is None:
-                    raise (
-                        row
-                        if isinstance(row, ValueError)
-                        else ValueError("the prompt does not have its template's layout (passage and question)")
-                    )
+                match = None if isinstance(row, ValueError) else layout.fullmatch(_text(row, "prompt"))
             except ValueError as exc:
-                yield location, exc
+                row = exc
+            if match is None:
+                yield location, row if isinstance(row, ValueError) else ValueError(LAYOUT_MISMATCH)
                 continue
             parts = match.groupdict()
             text = "\n\n".join(parts[k].strip() for k in ("p", "s") if parts.get(k))

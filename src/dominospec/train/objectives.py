@@ -12,8 +12,8 @@
   weights scaled by 1/F so the loss keeps its size.
 - Greedy labels (`--greedy-labels`): the token loss (and the confidence head's hit) at each supervised
   slot takes the target's most likely token of the draft vocabulary, the one greedy verification
-  keeps, instead of the data's token (on-policy answers are sampled at T > 0, so about one token in
-  five is not the target's greedy choice). The blocks' inputs stay the data's tokens.
+  keeps, instead of the data's token (on-policy answers are sampled at T > 0, so some of their tokens
+  are not the target's greedy choice). The blocks' inputs stay the data's tokens.
 """
 
 from __future__ import annotations

@@ -445,6 +445,15 @@ class Trainer:
                 logits = self.target.lm_head(h.to(self.target.dtype))
             return torch.exp(logits.float() - lse.unsqueeze(-1))[where]  # [N, B, V']
 
+    def _draft_labels(self, labels: torch.Tensor, p_t: torch.Tensor | None) -> torch.Tensor:
+        """Teacher-forced labels [N, B] as the loss reads them: draft-vocabulary ids (a token outside it cannot be
+        proposed: unsupervised), or with --greedy-labels the target's most likely draft token at each such slot."""
+        d = self.drafter
+        if d.config.draft_vocab_size:
+            sub = d.to_draft_ids(labels.clamp_min(0))
+            labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
+        return greedy_labels(labels, p_t, IGNORE) if self.cfg.greedy_labels else labels
+
     def _loss(self, tf, p_t, lam: float, w: torch.Tensor, labels: torch.Tensor):
         """The head's loss (+ distillation, + confidence) of teacher-forced blocks; (loss, terms)."""
         d, cfg = self.drafter, self.cfg
@@ -560,12 +569,7 @@ class Trainer:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16 and self.device.type == "cpu"):
             with self._part("forward"):
                 tf = teacher_forced_packed(d, [f for f, _ in feats], blocks)
-                labels = tf.labels
-                if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
-                    sub = d.to_draft_ids(labels.clamp_min(0))
-                    labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
-                if self.cfg.greedy_labels:
-                    labels = greedy_labels(labels, p_t, IGNORE)
+                labels = self._draft_labels(tf.labels, p_t)
                 w = self.weights.unsqueeze(0) * (labels != IGNORE).float()
             with self._part("loss"):
                 loss, terms = self._loss(tf, p_t, lam, w, labels)
@@ -599,10 +603,7 @@ class Trainer:
         d = self.drafter
         with self._part("forward"):
             tf = teacher_forced_blocks(d, feats, ids, mask, anchors)
-        z, final, labels = tf.z, tf.final, tf.labels
-        if d.config.draft_vocab_size:  # labels outside the draft vocabulary cannot be proposed
-            sub = d.to_draft_ids(labels.clamp_min(0))
-            labels = torch.where((labels == IGNORE) | (sub < 0), torch.full_like(labels, IGNORE), sub)
+        z, final = tf.z, tf.final
         p_t = None
         if self.needs_target_probs:  # the target's distribution at each slot, from its final hidden state
             pos = (anchors.unsqueeze(1) + torch.arange(self.block, device=self.device)).clamp(max=ids.shape[0] - 1)
@@ -610,8 +611,7 @@ class Trainer:
                 p_t = torch.softmax(self.target.lm_head(final_hidden[pos]).to(z.dtype), -1)
                 if d.config.draft_vocab_size:
                     p_t = p_t[..., d.draft_vocab]  # mass outside the draft vocabulary adds 1 - sum
-        if self.cfg.greedy_labels:
-            labels = greedy_labels(labels, p_t, IGNORE)
+        labels = self._draft_labels(tf.labels, p_t)
         w = self.weights.unsqueeze(0) * (labels != IGNORE).float()  # [N, B]
         with self._part("loss"):
             loss, terms = self._loss(tf, p_t, lam, w, labels)
