@@ -279,3 +279,17 @@ def test_grow_data_chunks_continue_one_draw(tmp_path):
     call = next(line.split() for line in out.splitlines() if line.startswith("prepare-data"))
     arg = dict(zip(call, call[1:]))
     assert arg["--prompts"] == "mix:prompts/passages:10" and arg["--out"] == "runs/data/passages-s21-c0"
+    # the last chunk ends at the folder's last prompt; a chunk past it is not run
+    total = sum(
+        s["count"] for s in json.loads((REPO / "prompts/passages/sources.json").read_text())["sources"].values()
+    )
+    env.update(CHUNK=str(total - 20), FIRST="0", LAST="5")
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "grow_data.sh")], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    calls = [dict(zip(c, c[1:])) for c in (line.split() for line in out.splitlines()) if c[:1] == ["prepare-data"]]
+    assert [(a["--skip"], a["--prompts"]) for a in calls] == [
+        ("0", f"mix:prompts/passages:{total - 20}"),
+        (str(total - 20), f"mix:prompts/passages:{total}"),
+    ]
+    assert f"holds {total} prompts, all drawn by earlier chunks; stopping" in out
