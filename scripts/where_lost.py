@@ -60,26 +60,30 @@ def rank_class(rank: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
     return cls
 
 
-def empty_counts() -> dict:
+def empty_counts(block: int) -> dict:
     n = len(BANDS) - 1
-    groups = ("first", "all")
-    return {
-        g: {"band_reached": [0] * n, "band_accepted": [0] * n, "rank": [0] * len(RANKS), "seen": [0]} for g in groups
+    counts = {
+        g: {"band_reached": [0] * n, "band_accepted": [0] * n, "rank": [0] * len(RANKS), "seen": [0]}
+        for g in ("first", "all")
     }
+    for key in ("walk", "walk_context_vocab"):
+        counts[key] = {"judged": [0] * block, "passed": [0] * block}
+    return counts
 
 
-def context_vocab_hits(drafter, target, parts, ids, anchors, logits, labels) -> torch.Tensor:
+def context_vocab_hits(drafter, target, parts, first_at: dict, anchors, logits, labels, hit) -> torch.Tensor:
     """[N, B] greedy hits had the draft vocabulary been extended, per block, by the context's own tokens.
 
     A block anchored at a may also propose any token of x_0..x_a outside the draft vocabulary, with the
     frozen LM head's logit on the backbone output plus the mean of the head's correction over the draft
     vocabulary (what a head row set to the mean of its rows gives: `Drafter.with_draft_vocab`'s start).
+    first_at: each token of the sequence -> where it first appears; hit: the plain greedy hits.
     """
-    extra = sorted({t for t in ids.tolist()} - set(drafter.draft_vocab.tolist()))
+    extra = sorted(set(first_at) - set(drafter.draft_vocab.tolist()))
     if not extra:
-        return drafter.to_target_ids(logits.argmax(-1)) == labels
+        return hit
     extra_t = torch.tensor(extra)
-    first = torch.tensor([ids.tolist().index(t) for t in extra])  # where each token first appears
+    first = torch.tensor([first_at[t] for t in extra])
     z = torch.cat([p.z for p in parts]).float()
     base = torch.cat([p.base for p in parts]).float()
     rows = target.output_embeddings().weight[extra_t].float()
@@ -94,12 +98,14 @@ def context_vocab_hits(drafter, target, parts, ids, anchors, logits, labels) -> 
 
 def merged(by_set: dict) -> dict:
     """The counts of every set added up."""
-    out = empty_counts()
+    out = None
     for counts in by_set.values():
+        if out is None:
+            out = {g: {key: list(v) for key, v in c.items()} for g, c in counts.items()}
+            continue
         for g, c in counts.items():
             for key, values in c.items():
-                have = out.setdefault(g, {}).setdefault(key, [0] * len(values))
-                out[g][key] = [a + b for a, b in zip(have, values)]
+                out[g][key] = [a + b for a, b in zip(out[g][key], values)]
     return out
 
 
@@ -116,30 +122,28 @@ def judge(drafter, target, samples: list[dict], finals: list[torch.Tensor], feat
         anchors = validation_anchors(mask, 0)
         if not anchors.numel():
             continue
-        counts = by_set.setdefault(s["id"].rsplit(":", 1)[0], empty_counts())
+        counts = by_set.setdefault(s["id"].rsplit(":", 1)[0], empty_counts(block))
         conf = torch.softmax(target.lm_head(final).float(), -1).amax(-1)  # [S] the target's top probability
         parts = [teacher_forced_blocks(drafter, f, ids, mask, a) for a in anchors.split(ANCHOR_CHUNK)]
         labels = torch.cat([p.labels for p in parts])
         logits = torch.cat([p.final for p in parts]).float()
         has_label = labels != IGNORE
         hit = (drafter.to_target_ids(logits.argmax(-1)) == labels) & has_label
-        ext_hit = context_vocab_hits(drafter, target, parts, ids, anchors, logits, labels) & has_label
-        for key, h in (("walk", hit), ("walk_context_vocab", ext_hit)):
-            r = walked_rows(anchors, h)
+        first_at = {}  # token -> where it first appears in the sequence
+        for i, x in enumerate(ids.tolist()):
+            first_at.setdefault(x, i)
+        ext_hit = context_vocab_hits(drafter, target, parts, first_at, anchors, logits, labels, hit) & has_label
+        rows = walked_rows(anchors, hit)
+        for key, h, r in (("walk", hit, rows), ("walk_context_vocab", ext_hit, walked_rows(anchors, ext_hit))):
             judged, passed = acceptance_counts(h[r], has_label[r])
-            counts.setdefault(key, {"judged": [0] * block, "passed": [0] * block})
             counts[key]["judged"] = [x + int(y) for x, y in zip(counts[key]["judged"], judged)]
             counts[key]["passed"] = [x + int(y) for x, y in zip(counts[key]["passed"], passed)]
-        rows = walked_rows(anchors, hit)
         anchors, labels, logits, hit, has_label = anchors[rows], labels[rows], logits[rows], hit[rows], has_label[rows]
         slot = torch.arange(block)
         reached = (slot.unsqueeze(0) <= accepted_lengths(hit).unsqueeze(1)) & has_label  # all slots before it hit
         lab_draft = drafter.to_draft_ids(labels.clamp(min=0))
         lab_logit = logits.gather(-1, lab_draft.clamp(min=0).unsqueeze(-1))
         cls = rank_class((logits > lab_logit).sum(-1) + 1, lab_draft >= 0)
-        first_at = {}
-        for i, x in enumerate(ids.tolist()):
-            first_at.setdefault(x, i)
         seen = torch.tensor([[first_at.get(x, ids.numel()) for x in row] for row in labels.clamp(min=0).tolist()])
         seen = seen <= anchors.unsqueeze(1)  # [N, B]: the target's token is already in the block's context
         pos = (anchors.unsqueeze(1) + slot).clamp(max=conf.numel() - 1)  # slot k predicts x_{a+1+k} at a+k
@@ -212,15 +216,14 @@ def main() -> None:
     for name, prompts in load_prompt_sets(paths, target).items():
         samples += greedy_answer_samples(target, prompts, args.new_tokens, Path(name).stem)
     print(f"{len(samples)} prompts of {', '.join(paths)}, greedy answers of up to {args.new_tokens} tokens")
-    results = {}
+    results, passes = {}, {}  # passes: the target's (features, final states) per feature-layer set
     for d in args.drafter or [str(shipped_drafter_dir("smollm2-135m"))]:
         drafter = Drafter.from_pretrained(d, target=target).float()
-        layers = drafter.config.target_layer_ids
-        feats, finals = [], []
-        for s in samples:
-            f, fin = target.sequence_features([s["input_ids"]], layers)
-            feats.append(f[0])
-            finals.append(fin[0])
+        layers = tuple(drafter.config.target_layer_ids)
+        if layers not in passes:
+            out = [target.sequence_features([s["input_ids"]], list(layers)) for s in samples]
+            passes[layers] = ([f[0] for f, _ in out], [fin[0] for _, fin in out])
+        feats, finals = passes[layers]
         with torch.no_grad():
             results[d] = judge(drafter, target, samples, finals, feats)
         print(table(d, merged(results[d])))

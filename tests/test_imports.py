@@ -280,9 +280,7 @@ def test_grow_data_chunks_continue_one_draw(tmp_path):
     arg = dict(zip(call, call[1:]))
     assert arg["--prompts"] == "mix:prompts/passages:10" and arg["--out"] == "runs/data/passages-s21-c0"
     # the last chunk ends at the folder's last prompt; a chunk past it is not run
-    total = sum(
-        s["count"] for s in json.loads((REPO / "prompts/passages/sources.json").read_text())["sources"].values()
-    )
+    total = sum(entry["count"] for entry in read_sources(REPO / "prompts/passages")["sources"].values())
     env.update(CHUNK=str(total - 20), FIRST="0", LAST="5")
     out = subprocess.run(
         ["bash", str(REPO / "scripts" / "grow_data.sh")], env=env, capture_output=True, text=True, check=True
