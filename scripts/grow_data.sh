@@ -12,8 +12,9 @@
 #   FEATURES=/path/outside/git FIRST=0 LAST=18 scripts/grow_data.sh
 #   FEATURES=/path/outside/git PROMPTS=prompts/passages FIRST=0 LAST=0 scripts/grow_data.sh
 #
-# DOMINOSPEC: how to call the CLI (default `dominospec`); the features the generating passes compute
-# go to FEATURES, for `train --feature-cache FEATURES`.
+# DOMINOSPEC: how to call the CLI (default `dominospec`); PYTHON: the interpreter that reads the folder's
+# sources.json (default `python3`; any Python 3 will do); the features the generating passes compute go to
+# FEATURES, for `train --feature-cache FEATURES`.
 set -euo pipefail
 FIRST=${FIRST:-0}
 LAST=${LAST:-18}
@@ -25,7 +26,7 @@ TAG=mix
 FEATURES=${FEATURES:?set FEATURES to a feature cache folder outside the repository}
 read -r -a CLI <<< "${DOMINOSPEC:-dominospec}"
 # the folder's prompt count (its sources.json): the last chunk ends there, and a chunk past it is not run
-TOTAL=$(python3 -c 'import json, sys; print(sum(s["count"] for s in json.load(open(sys.argv[1]))["sources"].values()))' \
+TOTAL=$("${PYTHON:-python3}" -c 'import json, sys; print(sum(s["count"] for s in json.load(open(sys.argv[1]))["sources"].values()))' \
     "$PROMPTS/sources.json")
 for k in $(seq "$FIRST" "$LAST"); do
     START=$((k * CHUNK))

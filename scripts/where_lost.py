@@ -79,6 +79,8 @@ def context_vocab_hits(drafter, target, parts, first_at: dict, anchors, logits, 
     vocabulary (what a head row set to the mean of its rows gives: `Drafter.with_draft_vocab`'s start).
     first_at: each token of the sequence -> where it first appears; hit: the plain greedy hits.
     """
+    if not drafter.config.draft_vocab_size:  # the whole vocabulary: the context has nothing to add
+        return hit
     extra = sorted(set(first_at) - set(drafter.draft_vocab.tolist()))
     if not extra:
         return hit
