@@ -1,4 +1,4 @@
-"""scripts/where_lost.py: its counts agree with validation's walk and with each other."""
+"""scripts/: every script imports and parses its options; where_lost.py's counts agree with the walk."""
 
 import importlib.util
 from pathlib import Path
@@ -66,3 +66,20 @@ def test_counts_agree_with_the_walk(where_lost, qwen3_target, draft_vocab):
         assert (ctx.judged, ctx.passed) == (walk.judged, walk.passed)
     text = where_lost.table("d", counts) + "\n" + where_lost.set_line("eval-a", by_set["eval-a"])
     assert f"walked tau {walk.tau:.3f}" in text and "eval-a" in text
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPT.parent.glob("*.py")))
+def test_every_script_imports_and_answers_help(script, monkeypatch, capsys):
+    """Each measurement script still imports against the package and parses its options (`--help`),
+    without changing this process's threads: a renamed function breaks the script here, not in a session."""
+    threads = torch.get_num_threads()
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as when run: scripts/ is on the path for its siblings
+    monkeypatch.setattr("sys.argv", [script, "--help"])
+    spec = importlib.util.spec_from_file_location(f"script_{script[:-3]}", SCRIPT.parent / script)
+    module = importlib.util.module_from_spec(spec)
+    with pytest.raises(SystemExit) as done:  # a script that parses at import exits here
+        spec.loader.exec_module(module)
+        module.main()
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {script}")
+    assert torch.get_num_threads() == threads
