@@ -34,13 +34,14 @@ from dominospec.bench.runner import load_prompt_sets
 from dominospec.drafter import Drafter
 from dominospec.drafter.checkpoint import shipped_drafter_dir
 from dominospec.targets import Target
-from dominospec.train.blocks import IGNORE, teacher_forced_blocks
+from dominospec.train.blocks import teacher_forced_blocks
 from dominospec.train.validate import (
     ANCHOR_CHUNK,
     ValResult,
     acceptance_counts,
     accepted_lengths,
     greedy_answer_samples,
+    greedy_hits,
     validation_anchors,
     walked_rows,
 )
@@ -79,12 +80,11 @@ def context_vocab_hits(drafter, target, parts, first_at: dict, anchors, logits, 
     vocabulary (what a head row set to the mean of its rows gives: `Drafter.with_draft_vocab`'s start).
     first_at: each token of the sequence -> where it first appears; hit: the plain greedy hits.
     """
-    if not drafter.config.draft_vocab_size:  # the whole vocabulary: the context has nothing to add
+    tokens = torch.tensor(sorted(first_at))
+    extra_t = tokens[drafter.to_draft_ids(tokens) < 0]  # none for a drafter over the whole vocabulary
+    if not extra_t.numel():
         return hit
-    extra = sorted(set(first_at) - set(drafter.draft_vocab.tolist()))
-    if not extra:
-        return hit
-    extra_t = torch.tensor(extra)
+    extra = extra_t.tolist()
     first = torch.tensor([first_at[t] for t in extra])
     z = torch.cat([p.z for p in parts]).float()
     base = torch.cat([p.base for p in parts]).float()
@@ -129,8 +129,7 @@ def judge(drafter, target, samples: list[dict], finals: list[torch.Tensor], feat
         parts = [teacher_forced_blocks(drafter, f, ids, mask, a) for a in anchors.split(ANCHOR_CHUNK)]
         labels = torch.cat([p.labels for p in parts])
         logits = torch.cat([p.final for p in parts]).float()
-        has_label = labels != IGNORE
-        hit = (drafter.to_target_ids(logits.argmax(-1)) == labels) & has_label
+        hit, has_label = (torch.cat(x) for x in zip(*(greedy_hits(drafter, p) for p in parts)))
         first_at = {}  # token -> where it first appears in the sequence
         for i, x in enumerate(ids.tolist()):
             first_at.setdefault(x, i)

@@ -262,8 +262,8 @@ def test_shipped_prompt_sources_are_recorded_and_share_nothing_with_the_eval_set
 
 def test_grow_data_chunks_continue_one_draw(tmp_path):
     """scripts/grow_data.sh: chunk k is prompts [k*CHUNK, (k+1)*CHUNK) of one seeded mix, its own --out."""
-    env = dict(os.environ, DOMINOSPEC="echo", PYTHON=sys.executable, FEATURES=str(tmp_path), FIRST="2", LAST="3")
-    env["CHUNK"] = "10"
+    env = dict(os.environ, DOMINOSPEC="echo", PYTHON=sys.executable, FEATURES=str(tmp_path))
+    env.update(FIRST="2", LAST="3", CHUNK="10")
     out = subprocess.run(
         ["bash", str(REPO / "scripts" / "grow_data.sh")], env=env, capture_output=True, text=True, check=True
     ).stdout

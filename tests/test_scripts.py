@@ -9,15 +9,20 @@ from conftest import tiny_drafter
 
 from dominospec.train.validate import Validator, greedy_answer_samples
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "where_lost.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """Run scripts/NAME as a module (scripts/ is no package); a script that parses at import exits here."""
+    spec = importlib.util.spec_from_file_location(f"script_{Path(name).stem}", SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def where_lost():
-    spec = importlib.util.spec_from_file_location("where_lost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("where_lost.py")
 
 
 def test_rank_class_by_hand(where_lost):
@@ -68,18 +73,15 @@ def test_counts_agree_with_the_walk(where_lost, qwen3_target, draft_vocab):
     assert f"walked tau {walk.tau:.3f}" in text and "eval-a" in text
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPT.parent.glob("*.py")))
+@pytest.mark.parametrize("script", sorted(p.name for p in SCRIPTS.glob("*.py")))
 def test_every_script_imports_and_answers_help(script, monkeypatch, capsys):
     """Each measurement script still imports against the package and parses its options (`--help`),
     without changing this process's threads: a renamed function breaks the script here, not in a session."""
     threads = torch.get_num_threads()
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as when run: scripts/ is on the path for its siblings
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # as when run: scripts/ is on the path for its siblings
     monkeypatch.setattr("sys.argv", [script, "--help"])
-    spec = importlib.util.spec_from_file_location(f"script_{script[:-3]}", SCRIPT.parent / script)
-    module = importlib.util.module_from_spec(spec)
-    with pytest.raises(SystemExit) as done:  # a script that parses at import exits here
-        spec.loader.exec_module(module)
-        module.main()
+    with pytest.raises(SystemExit) as done:
+        load_script(script).main()
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith(f"usage: {script}")
     assert torch.get_num_threads() == threads
