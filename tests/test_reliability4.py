@@ -1,0 +1,167 @@
+"""Reliability, fourth round (issue 56): deadlines that hold, the server's own origin, damaged files named
+with what to do, and every run bounded.
+
+CLI tests use the tiny character-level Llama of conftest (64 positions); server tests the tiny chat target
+with a real character tokenizer.
+"""
+
+import contextlib
+import json
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import run_cli, save_char_model, serving, tiny_chat_target
+
+from dominospec import cli
+
+CONTEXT = 64
+NOWHERE = "/nonexistent/target-that-must-not-load"  # an argument error must be reported before this loads
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def shared_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("reliability4")
+
+
+@pytest.fixture(scope="module")
+def char_model(shared_dir) -> Path:
+    return save_char_model(shared_dir / "char-model", CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(char_model, shared_dir) -> Path:
+    d = shared_dir / "drafter"
+    argv = ["init", "--target", char_model, "--out", d, "--layers", "1", "--block-size", "2", "--mask-token-id", "5"]
+    assert cli.main([str(a) for a in [*argv, "--gru-hidden-size", "8", "--rank", "4"]]) == 0
+    return d
+
+
+# ----- the server: one deadline for the whole body, the server's own origin, headers -----
+
+
+@contextlib.contextmanager
+def live_server(target, **config_kw):
+    """A plain server over a batched engine in a thread on a free loopback port; yields its base URL."""
+    from dominospec.engine import Engine
+    from dominospec.serve import LOOPBACK_HOSTS, ServeConfig
+
+    engine = Engine(target, None, policy="plain", max_batch=2, max_queue=8)
+    config = ServeConfig(model_name=target.name, request_timeout=60, allowed_hosts=LOOPBACK_HOSTS, **config_kw)
+    with serving(engine, target, config) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def chat_target():
+    return tiny_chat_target(dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def local_server(chat_target):
+    with live_server(chat_target, body_timeout_s=1.0) as base:
+        yield base
+
+
+def test_a_body_sent_a_byte_at_a_time_is_cut_off_at_the_whole_body_deadline(local_server):
+    """Protects: the body timeout is one deadline for the whole body, not one per chunk (issue 56, 4): a client
+    sending a byte every 0.2 s (each under the 1 s limit) gets 408 at about 1 s, not after its 60 bytes."""
+    port = int(local_server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "Content-Length: 60\r\n\r\n"
+        )
+        s.sendall(head.encode())
+        s.settimeout(0.2)
+        start, reply = time.monotonic(), b""
+        for _ in range(60):
+            with contextlib.suppress(OSError):
+                s.sendall(b" ")
+            with contextlib.suppress(TimeoutError, socket.timeout):
+                reply += s.recv(4096)
+            if b"body_timeout" in reply:
+                break
+        took = time.monotonic() - start
+    assert reply.startswith(b"HTTP/1.1 408") and b"body_timeout" in reply, reply
+    assert took < 4, f"the 408 came after {took:.1f} s for a 1 s deadline"
+    assert httpx.get(f"{local_server}/health").status_code == 200
+
+
+def assert_refused(r) -> None:
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "forbidden_origin"
+
+
+def test_a_page_on_another_port_of_this_machine_is_refused(local_server):
+    """Protects: the Origin check compares scheme, host and port (issue 56, 11): a page on any other local port
+    (or https on this port) cannot use a key-less loopback server; the server's own page can, by any loopback
+    name."""
+    url = f"{local_server}/v1/chat/completions"
+    port = int(local_server.rsplit(":", 1)[1])
+    for origin in (
+        f"http://127.0.0.1:{port + 1}",
+        f"http://localhost:{port - 1}",
+        "http://localhost",
+        f"https://127.0.0.1:{port}",
+        "null",
+        f"http://127.0.0.1:{port}/page",
+    ):
+        assert_refused(httpx.post(url, json=CHAT, headers={"Origin": origin}))
+    for origin in (f"http://127.0.0.1:{port}", f"http://localhost:{port}", f"http://[::1]:{port}"):
+        assert httpx.post(url, json=CHAT, headers={"Origin": origin}, timeout=60).status_code == 200, origin
+
+
+def test_allow_origin_lets_the_named_pages_in(chat_target):
+    """Protects: `--allow-origin` (ServeConfig.allowed_origins) allows exactly the origins it names; * any."""
+    with live_server(chat_target, allowed_origins=("http://localhost:3000",)) as base:
+        url = f"{base}/v1/chat/completions"
+        r = httpx.post(url, json=CHAT, headers={"Origin": "http://LOCALHOST:3000"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert_refused(httpx.post(url, json=CHAT, headers={"Origin": "http://localhost:3001"}))
+    with live_server(chat_target, allowed_origins=("*",)) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers={"Origin": "https://a.example"}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://localhost:3000/app", "ftp://x", "http://"])
+def test_serve_refuses_an_allow_origin_that_is_no_origin(origin, capsys):
+    rc, err = run_cli(capsys, "serve", "--target", NOWHERE, "--allow-origin", origin)
+    assert rc == 2 and "--allow-origin" in err and "scheme://host" in err, err
+
+
+def test_a_body_with_a_byte_order_mark_is_read(local_server):
+    """Protects: a UTF-8 body that starts with a byte-order mark is JSON like any other (issue 56, also)."""
+    body = b"\xef\xbb\xbf" + json.dumps(CHAT).encode()
+    r = httpx.post(
+        f"{local_server}/v1/chat/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_every_response_forbids_type_sniffing(local_server):
+    """Protects: JSON bodies (answers and errors, from the gate or the app) carry X-Content-Type-Options."""
+    for r in (
+        httpx.get(f"{local_server}/v1/models"),
+        httpx.get(f"{local_server}/nothing-here"),
+        httpx.post(f"{local_server}/v1/chat/completions", content=b"{", headers={"Content-Type": "application/json"}),
+        httpx.post(f"{local_server}/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"}),
+        httpx.post(f"{local_server}/v1/chat/completions", json=CHAT, timeout=60),
+    ):
+        assert r.headers.get("x-content-type-options") == "nosniff", (r.status_code, r.headers)
+    r = httpx.get(f"{local_server}/")
+    assert r.headers.get_list("x-content-type-options") == ["nosniff"]  # the page's own header, not twice
+
+
+def test_serve_refuses_a_bad_host_before_any_warning(capsys):
+    """Protects: `serve --host bogus.invalid` names the host and says nothing else first (issue 56, 12)."""
+    rc, err = run_cli(capsys, "serve", "--target", NOWHERE, "--host", "bogus.invalid")
+    assert rc == 2 and "--host 'bogus.invalid'" in err, err
+    assert "api-key" not in err, err
