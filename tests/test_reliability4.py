@@ -7,6 +7,7 @@ with a real character tokenizer.
 
 import contextlib
 import json
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import run_cli, save_char_model, serving, tiny_chat_target
+from conftest import run_cli, save_char_model, serving, tiny_chat_target, write_prompts
 
 from dominospec import cli
 
@@ -39,6 +40,10 @@ def drafter_dir(char_model, shared_dir) -> Path:
     argv = ["init", "--target", char_model, "--out", d, "--layers", "1", "--block-size", "2", "--mask-token-id", "5"]
     assert cli.main([str(a) for a in [*argv, "--gru-hidden-size", "8", "--rank", "4"]]) == 0
     return d
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 # ----- the server: one deadline for the whole body, the server's own origin, headers -----
@@ -165,3 +170,48 @@ def test_serve_refuses_a_bad_host_before_any_warning(capsys):
     rc, err = run_cli(capsys, "serve", "--target", NOWHERE, "--host", "bogus.invalid")
     assert rc == 2 and "--host 'bogus.invalid'" in err, err
     assert "api-key" not in err, err
+
+
+# ----- train --resume over a damaged checkpoint -----
+
+
+@pytest.fixture(scope="module")
+def char_data(char_model, shared_dir) -> Path:
+    """prepare-data output of the char model: 4 short prompts, answers cut at the context."""
+    prompts = write_prompts(shared_dir / "short.jsonl", ["hi", "why?", "a b", "ok"])
+    out = shared_dir / "char-data"
+    argv = ["prepare-data", "--target", char_model, "--prompts", prompts, "--out", out, "--max-new-tokens", "8"]
+    assert cli.main([str(a) for a in argv]) == 0
+    return out
+
+
+def train_args(char_model, data, out, *extra) -> list:
+    shape = ["--layers", "1", "--block-size", "2", "--gru-hidden-size", "8", "--rank", "4"]
+    return ["train", "--target", char_model, "--data", data, "--out", out, *shape, "--max-steps", "2", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(char_model, char_data, shared_dir) -> Path:
+    """A finished two-step training run: the exported drafter and train_state/ beside it."""
+    out = shared_dir / "trained"
+    assert cli.main([str(a) for a in train_args(char_model, char_data, out, "--save-every", "1")]) == 0
+    assert (out / "train_state" / "trainer.pt").exists()
+    return out
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "drafter weights truncated"])
+def test_resume_over_a_damaged_checkpoint_names_the_file_before_loading(damage, trained, char_data, tmp_path, capsys):
+    """Protects: `train --resume` over a trainer.pt (or its drafter) cut short by a crash or a full disk exits 2
+    naming the file and what to do, before the target loads, and leaves the exported drafter untouched
+    (issue 56, 1)."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    damaged = out / "train_state" / ("drafter/model.safetensors" if "drafter" in damage else "trainer.pt")
+    data = damaged.read_bytes()
+    damaged.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    before = snapshot(out)
+    rc, err = run_cli(capsys, *train_args(NOWHERE, char_data, out, "--resume"))
+    assert rc == 2, err
+    assert "Traceback" not in err and str(damaged) in err, err
+    assert "remove it to train from the start" in err and str(out / "train_state") in err, err
+    assert snapshot(out) == before
