@@ -215,3 +215,53 @@ def test_resume_over_a_damaged_checkpoint_names_the_file_before_loading(damage, 
     assert "Traceback" not in err and str(damaged) in err, err
     assert "remove it to train from the start" in err and str(out / "train_state") in err, err
     assert snapshot(out) == before
+
+
+# ----- --threads above the CPUs this process may use -----
+
+
+def threads_argv(name: str, tmp_path: Path, data: Path, drafter: Path) -> list:
+    from dominospec.serve import free_port
+
+    prompts = write_prompts(tmp_path / "p.jsonl", ["hi"])
+    return {
+        "generate": ["generate", "hi"],
+        "serve": ["serve", "--port", free_port()],
+        "bench": ["bench", "--prompts", prompts, "--out", tmp_path / "b"],
+        "prepare-data": ["prepare-data", "--prompts", prompts, "--out", tmp_path / "d"],
+        "train": ["train", "--data", data, "--out", tmp_path / "t"],
+        "init": ["init", "--out", tmp_path / "i"],
+        "calibrate": ["calibrate", "--drafter", drafter, "--prompts", prompts],
+        "profile": ["profile", "--out", tmp_path / "profile.json"],
+    }[name]
+
+
+@pytest.mark.parametrize(
+    "name", ["generate", "serve", "bench", "prepare-data", "train", "init", "calibrate", "profile"]
+)
+def test_threads_above_the_allowed_cpus_are_capped_with_a_note(
+    name, char_data, drafter_dir, tmp_path, capsys, monkeypatch
+):
+    """Protects: `--threads 999` on a process allowed 1 CPU runs 1 thread and says so, on every subcommand that
+    takes --threads (issue 56, 3); the note comes before the model loads (here: a target that does not exist)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    argv = threads_argv(name, tmp_path, char_data, drafter_dir)
+    try:
+        rc, err = run_cli(capsys, *argv, "--target", NOWHERE, "--threads", "999")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
+    assert "--threads 999: this process may use 1 CPU(s) (its affinity), so 1 thread(s) are used" in err, err
+    assert rc == 2 and NOWHERE in err, err
+
+
+def test_omp_num_threads_above_the_allowed_cpus_is_capped_too(monkeypatch):
+    from dominospec.devices import threads_to_use
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")
+    assert threads_to_use(None) == (
+        2,
+        "OMP_NUM_THREADS=64: this process may use 2 CPU(s) (its affinity), so 2 thread(s) are used",
+    )
+    assert threads_to_use(2) == (2, None)
