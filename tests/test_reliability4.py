@@ -265,3 +265,60 @@ def test_omp_num_threads_above_the_allowed_cpus_is_capped_too(monkeypatch):
         "OMP_NUM_THREADS=64: this process may use 2 CPU(s) (its affinity), so 2 thread(s) are used",
     )
     assert threads_to_use(2) == (2, None)
+
+
+# ----- bench: a per-prompt time limit for any method; its own flag in its errors -----
+
+
+def test_a_method_that_stalls_is_stopped_at_the_per_prompt_limit_and_reported(tmp_path):
+    """Protects: no benchmark row can stall the run (issue 56, 5): a method that sleeps past the per-prompt limit
+    is stopped there, its prompt counted as timed out in the table, its later prompts skipped, and every
+    other method's figures are whole."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from conftest import tiny_target
+
+    from dominospec.bench import runner
+    from dominospec.bench.methods import Autoregressive, Method
+
+    @dataclass(kw_only=True)
+    class Stalls(Method):
+        kind: ClassVar[str] = "stalls"
+        name: str = "stalls"
+        calls: int = 0
+
+        def run(self, target, prompt_ids, max_new_tokens, sampling, seed, dataset="", prompt_index=0):
+            self.calls += 1
+            time.sleep(3600)
+
+    target = tiny_target()
+    stalls = Stalls()
+    datasets = {"x": [[1, 2, 3], [5, 9, 11]], "y": [[4, 4, 7]]}
+    start = time.monotonic()
+    res = runner.benchmark(
+        target,
+        datasets,
+        [Autoregressive(), stalls],
+        tmp_path,
+        max_new_tokens=4,
+        progress=False,
+        plots=False,
+        warmup=False,
+        time_limit_s=0.5,
+    )
+    assert time.monotonic() - start < 30
+    assert stalls.calls == 1  # stopped once, then skipped
+    assert res["methods"]["ar"]["num_prompts"] == 3 and res["methods"]["ar"]["timed_out"] == 0
+    assert res["methods"]["stalls"]["num_prompts"] == 0 and res["methods"]["stalls"]["timed_out"] == 1
+    assert any("stalls: stopped on x#0, past the per-prompt time limit of 0.5 s" in n for n in res["config"]["notes"])
+    report = (tmp_path / "report.md").read_text()
+    assert "| stalls |" in report and "0 (+1 timed out)" in report
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in runs if r["timed_out"]] == ["stalls"]
+
+
+def test_bench_server_names_its_own_flag(capsys):
+    """Protects: `bench --server notaurl` names --server, not loadtest's --url (issue 56, 8)."""
+    rc, err = run_cli(capsys, "bench", "--server", "notaurl", "--prompts", "p.jsonl", "--out", "o")
+    assert rc == 2 and "--server 'notaurl'" in err and "--url" not in err, err
