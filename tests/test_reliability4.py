@@ -178,11 +178,15 @@ def test_serve_refuses_a_bad_host_before_any_warning(capsys):
 @pytest.fixture(scope="module")
 def char_data(char_model, shared_dir) -> Path:
     """prepare-data output of the char model: 4 short prompts, answers cut at the context."""
-    prompts = write_prompts(shared_dir / "short.jsonl", ["hi", "why?", "a b", "ok"])
     out = shared_dir / "char-data"
-    argv = ["prepare-data", "--target", char_model, "--prompts", prompts, "--out", out, "--max-new-tokens", "8"]
-    assert cli.main([str(a) for a in argv]) == 0
+    assert cli.main(prepare_argv(char_model, shared_dir, out)) == 0
     return out
+
+
+def prepare_argv(char_model, prompts_dir: Path, out: Path) -> list[str]:
+    prompts = write_prompts(prompts_dir / "short.jsonl", ["hi", "why?", "a b", "ok"])
+    argv = ["prepare-data", "--target", char_model, "--prompts", prompts, "--out", out, "--max-new-tokens", "8"]
+    return [str(a) for a in [*argv, "--batch-size", "2", "--shard-size", "2"]]
 
 
 def train_args(char_model, data, out, *extra) -> list:
@@ -322,3 +326,25 @@ def test_bench_server_names_its_own_flag(capsys):
     """Protects: `bench --server notaurl` names --server, not loadtest's --url (issue 56, 8)."""
     rc, err = run_cli(capsys, "bench", "--server", "notaurl", "--prompts", "p.jsonl", "--out", "o")
     assert rc == 2 and "--server 'notaurl'" in err and "--url" not in err, err
+
+
+# ----- prepare-data over a damaged shard -----
+
+
+@pytest.mark.parametrize("cut", ["mid-line", "a whole line"])
+def test_prepare_data_rerun_over_a_truncated_shard_names_it_and_redoes_it(cut, char_model, char_data, tmp_path, capsys):
+    """Protects: a rerun over a run whose shard was cut short names the shard and says how to have it written
+    again (issue 56, 6), instead of "already complete"; doing so writes it identical to the first run."""
+    out = tmp_path / "data"
+    shutil.copytree(char_data, out)
+    shard = out / "samples-00001.jsonl"
+    whole = shard.read_bytes()
+    lines = whole.splitlines(keepends=True)
+    shard.write_bytes(whole[: len(whole) - 5] if cut == "mid-line" else b"".join(lines[:-1]))
+    rc, err = run_cli(capsys, *prepare_argv(char_model, tmp_path, out))
+    assert rc == 2 and "samples-00001.jsonl" in err and f"rm {shard}" in err, err
+    assert "already complete" not in err
+    shard.unlink()
+    rc, err = run_cli(capsys, *prepare_argv(char_model, tmp_path, out))
+    assert rc == 0, err
+    assert shard.read_bytes() == whole
