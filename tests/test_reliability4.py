@@ -348,3 +348,45 @@ def test_prepare_data_rerun_over_a_truncated_shard_names_it_and_redoes_it(cut, c
     rc, err = run_cli(capsys, *prepare_argv(char_model, tmp_path, out))
     assert rc == 0, err
     assert shard.read_bytes() == whole
+
+
+# ----- DOMINOSPEC_KERNELS=off: one note -----
+
+
+@pytest.mark.parametrize("kernels", ["off", "on"])
+def test_kernels_off_gives_one_consistent_note(kernels, char_model, tmp_path, capsys, monkeypatch):
+    """Protects: with DOMINOSPEC_KERNELS=off, a target whose weights --dtype auto holds in int8 gets one note,
+    saying int8 runs at fp32's speed without the kernel, and not also "int8 weights on the CPU kernel" (issue
+    56, 9); with the kernel on, the auto note alone."""
+    from transformers import AutoModelForCausalLM
+
+    from dominospec import Target, log
+    from dominospec.targets import kernels as kernels_module
+    from dominospec.targets.quant import apply_weight_format_
+
+    model_dir = tmp_path / "int8-exact"
+    shutil.copytree(char_model, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    apply_weight_format_(model, "int8")  # weights on the int8 grid: --dtype auto adopts int8
+    model.save_pretrained(model_dir)
+    monkeypatch.setenv("DOMINOSPEC_KERNELS", kernels)
+    monkeypatch.setattr(log, "_said", set())
+    kernels_module.reset_kernels()
+    try:
+        capsys.readouterr()
+        target = Target.load(str(model_dir), device="cpu", dtype="auto", backend="native", progress=log.log)
+        err = capsys.readouterr().err
+        built = kernels_module.active_build() != "off"
+    finally:
+        kernels_module.reset_kernels()
+    if kernels == "on" and not built:
+        pytest.skip("the small-row kernel does not build here")
+    assert target.weight_only == "int8"
+    notes = [line for line in err.splitlines() if "int8" in line]
+    if kernels == "off":
+        assert notes == [
+            "[dominospec] DOMINOSPEC_KERNELS=off: int8 weights run as fp32 values on the library GEMMs (the same "
+            "model, at fp32's speed, not the kernel's)"
+        ], err
+    else:
+        assert len(notes) == 1 and "int8 weights on the CPU kernel" in notes[0], err
