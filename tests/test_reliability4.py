@@ -390,3 +390,38 @@ def test_kernels_off_gives_one_consistent_note(kernels, char_model, tmp_path, ca
         ], err
     else:
         assert len(notes) == 1 and "int8 weights on the CPU kernel" in notes[0], err
+
+
+# ----- reproducible exports -----
+
+
+def test_exports_of_the_same_drafter_are_byte_identical(drafter_dir, tmp_path, capsys):
+    """Protects: exporting one drafter again gives the same bytes in every file, so a checksum means
+    something (issue 56, 10: safetensors wrote its header's metadata in hash order, different each call)."""
+    import struct
+
+    exports, out = [], tmp_path / "e"  # the same --out: the report names it (in the serve command)
+    for _ in range(4):
+        rc, err = run_cli(capsys, "export", drafter_dir, "--to", "sglang", "--out", out)
+        assert rc == 0, err
+        exports.append(snapshot(out))
+    assert all(e == exports[0] for e in exports[1:])
+    blob = exports[0]["model.safetensors"]
+    header = json.loads(blob[8 : 8 + struct.unpack("<Q", blob[:8])[0]])
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"])
+
+
+def test_an_export_with_a_mask_file_is_reproducible(tmp_path):
+    """The learned-mask export (mask_embedding.pt beside the weights) is byte-identical too."""
+    from conftest import tiny_drafter, tiny_target
+
+    from dominospec.export import export_drafter
+
+    target = tiny_target("llama", vocab=64)
+    drafter = tiny_drafter(target, mask_token_id=None)
+    exports = []
+    for _ in range(2):
+        report = export_drafter(drafter, "sglang", tmp_path / "e", target, mask_token_id=5, allow_approx=True)
+        assert "mask_embedding.pt" in report["files"]
+        exports.append(snapshot(tmp_path / "e"))
+    assert exports[0] == exports[1]
