@@ -6,9 +6,8 @@ One family, batched methods, the same at batch 1 and in the engine:
   verify_lengths(proposals, rows)   k_r in 0..len(proposal_r) per row; the target then runs [anchor, d_1..d_k]
   observe(proposal, verified, accepted)   a cycle's outcome (the running acceptance learns from it)
 
-Modes (VERIFY_MODES, the table every surface reads):
+Modes (VERIFY_MODES, the table every surface reads; plain decoding is a proposer, tune/spec.py):
 
-  plain   no drafting: every step is one plain decode step
   fixed   verify every draft (the block size decides)
   static  stop before the first slot whose calibrated confidence is below a threshold
   cost    DSpark's Algorithm 1: take drafts (r, j) by falling survival a_{r,j} = prod_{i<=j} c_{r,i} while
@@ -42,27 +41,24 @@ from .rollout import Proposal
 
 # name -> what it does: the one list of verify modes, with the help text every surface prints
 VERIFY_MODES = {
-    "plain": "no drafting, one token per target step",
     "fixed": "verify every draft",
     "static": "stop before the first slot whose calibrated confidence is under --confidence-threshold, for a "
     "drafter with a confidence head or prompt lookup",
     "cost": "draft and verify only while the expected tokens/s on this device rises, DSpark's scheduler, with "
     "the device profile measured on first use; greedy requests search the whole curve",
 }
-DRAFT_MODES = tuple(m for m in VERIFY_MODES if m != "plain")  # the modes that run a proposer
-DEFAULT_VERIFY = "cost"
 DEFAULT_THRESHOLD = 0.5
 ENGINE_PROFILE_ROWS = (1, 2, 4, 8)  # the batched cost table measured on first use by the engine's cost policy
 
 
-def verify_mode_help(modes: Sequence[str] = tuple(VERIFY_MODES)) -> str:
+def verify_mode_help() -> str:
     """'name: what it does. ...' for --help texts."""
-    return " ".join(f"{m}: {VERIFY_MODES[m]}." for m in modes)
+    return " ".join(f"{m}: {mode}." for m, mode in VERIFY_MODES.items())
 
 
-def check_verify_mode(mode: str, flag: str = "--verify", modes: Sequence[str] = tuple(VERIFY_MODES)) -> str:
-    if mode not in modes:
-        raise DominoError(f"{flag} {mode!r}: choose from {', '.join(modes)}")
+def check_verify_mode(mode: str, flag: str = "--verify") -> str:
+    if mode not in VERIFY_MODES:
+        raise DominoError(f"{flag} {mode!r}: choose from {', '.join(VERIFY_MODES)}")
     return mode
 
 
