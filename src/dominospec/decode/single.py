@@ -14,7 +14,7 @@ import torch
 
 from ..devices import synchronize
 from ..errors import DominoError
-from ..sampling import SamplingConfig
+from ..sampling import SamplingConfig, accept_rejection
 from ..targets.context import cap_new_tokens
 from .lookup import PromptLookup
 from .proposers import PlainProposer, make_proposer
@@ -124,8 +124,10 @@ def decode(
     on_cycle: Callable[[Proposal, int, int], None] | None = None,
     layers: Sequence[int] | None = None,
     marks: bool = False,
+    rule=accept_rejection,
 ) -> GenerationResult:
-    """The batch-1 loop: prefill, then step([row]) until the row is done, timed."""
+    """The batch-1 loop: prefill, then step([row]) until the row is done, timed. rule: the rejection sampler of
+    sampled rows (sampling.accept_rejection; a test passes a wrong one to show its harness has power)."""
     dev = target.device
     b = proposer.block_size
     policy = verify or VerifyPolicy()
@@ -145,7 +147,7 @@ def decode(
     if on_tokens:
         on_tokens(new, res.sources[-len(new) :]) if marks else on_tokens(new)
     while not row.done:
-        out = step([row], proposer, policy, side, target.max_positions, layers, timed=True)
+        out = step([row], proposer, policy, side, target.max_positions, layers, timed=True, rule=rule)
         if out.errors[0] is not None:
             raise out.errors[0]
         res.draft_s += out.draft_s

@@ -6,8 +6,8 @@ settings and generator, EOS ids, committed tokens and per-cycle records, its cac
   1. plan      rooms (drafts that fit the context), the policy's skip decision (earlier steps only), the
                proposer's proposals, the policy's verify lengths k: a `StepPlan`, before the target runs
   2. verify    ONE target forward over [anchor, d_1..d_k] of every row (ragged: row r appends k_r + 1)
-  3. accept    greedy rows: one argmax over the batch; sampled rows: rejection sampling, each with its
-               own generator, in row order
+  3. accept    sampling.accept_drafts over the flattened drafts: greedy rows read one argmax over the
+               batch; sampled rows are rejection-sampled, each with its own generator, in row order
   4. roll back each row's cache keeps its context, anchor and accepted drafts
   5. commit    accepted drafts + the target's token, cut at EOS / budget; the proposer and the policy
                observe the outcome
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..devices import synchronize
-from ..sampling import SamplingConfig, accept_greedy, accept_rejection, sample, warp_probs
+from ..sampling import SamplingConfig, accept_drafts, accept_rejection, sample, warp_probs
 from .lookup import PromptLookup
 from .result import GenerationResult
 from .rollout import Proposal
@@ -223,45 +223,24 @@ def pad_blocks(blocks: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tens
     return ids, lens
 
 
-def accept(seq: SeqState, proposal: Proposal | None, k: int, logits: torch.Tensor) -> tuple[int, int]:
-    """(accepted drafts n, the target's next token) for the first k drafts of one row; logits [k+1, V].
-    The rule is this module's `accept_rejection`, looked up per call (tests swap in a wrong one)."""
-    drafts = proposal.drafts[:k] if proposal is not None else logits.new_zeros(0, dtype=torch.long)
-    if seq.sampling.greedy:
-        return accept_greedy(drafts, logits)
-    draft_probs = proposal.draft_probs[:k] if proposal is not None else logits[:0]
-    return accept_rejection(drafts, draft_probs, warp_probs(logits, seq.sampling), seq.gen)
-
-
-def accept_rows(plan: StepPlan, logits: torch.Tensor, first_slot: int) -> tuple[list, list, list]:
+def accept_rows(
+    plan: StepPlan, logits: torch.Tensor, first_slot: int, rule=accept_rejection
+) -> tuple[list, list, list]:
     """(n [R], next token [R], error [R]) for every row of the plan; logits [R', S, V] over slots first_slot...
 
-    Greedy rows read one argmax over the whole batch; sampled rows are rejection-sampled one by one with
-    their own generators, in row order (so a row draws exactly what it would alone). A row whose sampling
-    raises gets its exception in `error` (n, token None): it fails alone, the other rows go on."""
-    greedy = [r.sampling.greedy for r in plan.rows]
-    choice = logits.argmax(-1).tolist() if any(greedy) else None  # [R', S] the target's own picks
-    ns, nxts, errors = [], [], []
-    for r, p, k, g in zip(plan.rows, plan.proposals, plan.verify, greedy):
-        i = r.slot - first_slot
-        if g:
-            picks = choice[i]
-            drafts = p.drafts[:k].tolist() if k else []
-            n = 0
-            while n < k and picks[n] == drafts[n]:
-                n += 1
-            ns.append(n)
-            nxts.append(picks[n])
-            errors.append(None)
-        else:
-            try:
-                n, nxt, err = *accept(r, p, k, logits[i, : k + 1]), None
-            except Exception as exc:  # e.g. a distribution torch cannot sample from
-                n, nxt, err = None, None, exc
-            ns.append(n)
-            nxts.append(nxt)
-            errors.append(err)
-    return ns, nxts, errors
+    The plan's drafts flattened for sampling.accept_drafts (greedy and sampled rows in one call, each sampled row
+    with its own generator); rule: the sampled rows' rejection sampler (the reference, unless a test passes one)."""
+    R, S, V = logits.shape
+    drafts, cu, first, draft_probs = [], [0], [], []
+    for r, p, k in zip(plan.rows, plan.proposals, plan.verify):
+        if k:
+            drafts.append(p.drafts[:k])
+        cu.append(cu[-1] + k)
+        first.append((r.slot - first_slot) * S)
+        draft_probs.append(p.draft_probs[:k] if k and not r.sampling.greedy else None)
+    flat = torch.cat(drafts) if drafts else logits.new_zeros(0, dtype=torch.long)  # [N]
+    samplings, gens = [r.sampling for r in plan.rows], [r.gen for r in plan.rows]
+    return accept_drafts(flat, cu, logits.reshape(R * S, V), first, draft_probs, samplings, gens, rule)
 
 
 def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int, cycle: bool = True) -> list[int]:
@@ -289,11 +268,13 @@ def step(
     limit: int | None,
     layer_ids: Sequence[int] | None = None,
     timed: bool = False,
+    rule=accept_rejection,
 ) -> StepResult:
     """One step of every row in `rows` (decoding, in slot order): see the module doc.
 
     side: OneCache (one row) or RowCache; limit: the context no verify block may pass (None: unknown);
-    timed: synchronize the device around the phases and report draft_s / verify_s."""
+    timed: synchronize the device around the phases and report draft_s / verify_s; rule: the sampled rows'
+    rejection sampler (sampling.accept_rejection; a test passes a wrong one)."""
     dev = side.target.device
     t0 = _clock(dev, timed)
     plan = plan_step(rows, proposer, policy, limit)
@@ -307,7 +288,7 @@ def step(
     ids, _ = pad_blocks(blocks)  # [R', S]
     feats = proposer.needs_features
     out = side.forward(ids, num_new, start=lo, layer_ids=layer_ids, with_features=feats)  # logits [R', S, V]
-    accepted, nxts, errors = accept_rows(plan, out.logits, lo)
+    accepted, nxts, errors = accept_rows(plan, out.logits, lo, rule)
     for r, n in zip(plan.rows, accepted):  # keep the context, the anchor and the accepted drafts
         side.set_length(r.slot, r.committed_len + (n or 0))
     t2 = _clock(dev, timed)
