@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..devices import synchronize
+from ..errors import DominoError
 from ..sampling import SamplingConfig, accept_drafts, accept_rejection, sample, warp_probs
+from ..targets.context import fit_request
 from .lookup import PromptLookup
 from .result import GenerationResult
 from .rollout import Proposal
@@ -56,6 +58,20 @@ def truncate(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], bo
         if t in eos:
             return tokens[: min(i + 1, room)], True
     return tokens[:room], len(tokens) >= room
+
+
+def check_request(prompt: Sequence[int], max_new_tokens: int, vocab_size: int, context: int | None, cap: bool):
+    """The one check of a request's tokens and budget (the batch-1 loop and Engine.submit): a DominoError for an
+    empty prompt, a token outside the vocabulary or max_new_tokens < 1, then its fit to `context`
+    (targets/context.py fit_request; cap: lower a budget that does not fit), for the caller to phrase."""
+    if len(prompt) == 0:
+        raise DominoError("the prompt is empty (0 tokens)")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise DominoError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab_size}")
+    if max_new_tokens < 1:
+        raise DominoError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return fit_request(len(prompt), max_new_tokens, context, cap=cap)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from collections import deque
 import torch
 
 from ..decode.schedule import DEFAULT_THRESHOLD
-from ..decode.step import RowCache, SeqState, commit_first, make_generator, prefill, step
+from ..decode.step import RowCache, SeqState, check_request, commit_first, make_generator, prefill, step
 from ..devices import release_openmp_workers
 from ..errors import DominoError
 from ..tune.spec import DRAFTS, SpecConfig, bind, build, parse_spec
@@ -117,15 +117,7 @@ class Engine:
     def submit(self, req: EngineRequest) -> RequestHandle:
         """Queue a request (thread-safe). DominoError for a bad one, EngineFull when the queue is full."""
         prompt = [int(t) for t in req.prompt_ids]
-        if not prompt:
-            raise DominoError("the prompt is empty (0 tokens)")
-        vocab = self.target.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise DominoError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
-        if int(req.max_new_tokens) < 1:
-            raise DominoError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        if len(prompt) + int(req.max_new_tokens) > self.context:
+        if check_request(prompt, int(req.max_new_tokens), self.target.vocab_size, self.context, cap=False).refused:
             extra = f" + {self.block_size} draft positions" if self.block_size else ""
             raise DominoError(
                 f"the prompt ({len(prompt)} tokens) + max_new_tokens ({req.max_new_tokens}){extra} + 1 "
