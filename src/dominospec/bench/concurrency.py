@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..decode.result import tokens_per_cycle
 from ..devices import describe_device
 from ..engine import Engine, EngineRequest
 from ..errors import DominoError
@@ -128,7 +129,7 @@ def summarize_level(results, wall: float) -> dict:
         "tpot_p90_s": _quantile(tpot, 0.9),
         "ttft_median_s": _quantile(ttft, 0.5),
         "ttft_p90_s": _quantile(ttft, 0.9),
-        "tau": (sum(sum(r.accepted) for r in results) + cycles) / cycles if cycles else None,
+        "tau": tokens_per_cycle([c for r in results for c in r.committed]) if cycles else None,
         "verify_per_request": statistics.mean(per_request_verify) if per_request_verify else None,
         "errors": sum(r.finish_reason == "error" for r in results),
     }
