@@ -225,8 +225,8 @@ def _bench_concurrency(args, target, levels, specs, sampling, out) -> int:
 def _bench_server(args) -> int:
     """Running servers under load per category and concurrency, and/or earlier runs, in one report."""
     need_serve_extra()
+    from ..bench.loadtest import check_loopback
     from ..bench.server import ServerBenchConfig, bench_server, load_runs, read_categories, write_report
-    from ..serve.loadtest import check_loopback
 
     require_at_least(args, 1, "max_new_tokens", "limit")
     for url in args.server:

@@ -30,8 +30,6 @@ from .lookup import HYBRID_MIN_MATCH, LOOKUP_BLOCK_SIZE, PromptLookup
 from .rollout import Proposal, draft_block, draft_rows
 from .step import SeqState
 
-PENDING = "draft_pending"  # SeqState.extra: target features not yet in the drafter's cache
-
 
 class PlainProposer:
     """Proposes nothing: every step is one plain decode step (k = 0)."""
@@ -62,12 +60,14 @@ class DrafterProposer:
     def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True):
         """rows: a per-row draft cache (drafter.new_row_cache) for many sequences; None at batch 1."""
         self.drafter, self.block_size, self.rows, self.use_head = drafter, block_size, rows, use_head
+        self.pending: dict[int, list[torch.Tensor]] = {}  # slot -> target features not yet in its draft cache
 
     @property
     def bytes_per_row(self) -> int:
         return self.rows.bytes_per_row if self.rows is not None else 0
 
     def claim(self, seq: SeqState) -> None:
+        self.pending.pop(seq.slot, None)
         if self.rows is None:
             seq.draft_cache = self.drafter.new_cache()
         else:
@@ -78,15 +78,15 @@ class DrafterProposer:
         if self.rows is not None:
             self.rows.release(seq.slot)
         seq.draft_cache = None
-        seq.extra.pop(PENDING, None)
+        self.pending.pop(seq.slot, None)
 
     def extend(self, seq: SeqState, features: torch.Tensor) -> None:
         """Queue committed positions' target features; they enter the drafter's cache before its next
         proposal, all at once (a cycle without drafting then costs no drafter work at all)."""
-        seq.extra.setdefault(PENDING, []).append(features)
+        self.pending.setdefault(seq.slot, []).append(features)
 
     def _flush(self, seq: SeqState) -> None:
-        pending = seq.extra.pop(PENDING, None)
+        pending = self.pending.pop(seq.slot, None)
         if pending:
             self.drafter.extend_cache(seq.draft_cache, pending[0] if len(pending) == 1 else torch.cat(pending, 1))
 

@@ -299,10 +299,7 @@ class Target:
             return self.native.new_cache(batch=1, max_len=max_len)
         from transformers import DynamicCache
 
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # transformers < 4.56
-            return DynamicCache()
+        return DynamicCache(config=self.model.config)
 
     def cache_length(self, cache) -> int:
         if isinstance(cache, KVCache):
