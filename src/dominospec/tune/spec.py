@@ -237,20 +237,33 @@ def build(
         device=target.device,
         min_match=config.lookup_min_match,
     )
+    return proposer, policy_of(config, target, rows=rows, costs=costs, report=report, block_size=proposer.block_size)
+
+
+def policy_of(
+    config: SpecConfig,
+    target,
+    *,
+    rows: int | None = None,
+    costs=None,
+    report=log_once,
+    block_size: int | None = None,
+) -> VerifyPolicy:
+    """The verify policy of a bound configuration (tune/policy.py make_policy), at batch 1 or for `rows` slots;
+    block_size: the drafts its proposer proposes (default: the configuration's, else the drafter's or lookup's)."""
     if not config.speculative:
-        return proposer, VerifyPolicy()
-    policy = make_policy(
+        return VerifyPolicy()
+    return make_policy(
         config.verify,
-        drafter,
+        config.drafter if config.proposer in DRAFTS else None,
         target,
         threshold=config.threshold,
         costs=costs,
-        block_size=proposer.block_size or None,
+        block_size=block_size or config.block_size,
         lookup=config.uses_lookup,
         rows=rows,
         report=report,
     )
-    return proposer, policy
 
 
 @torch.inference_mode()
