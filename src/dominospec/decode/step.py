@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -120,6 +121,42 @@ class SeqState:
         return block_size if limit is None else max(0, min(block_size, limit - self.committed_len))
 
 
+# ----- what a step reads: a proposer, a verify policy, a target side -----
+
+
+class Proposer(Protocol):
+    """Who drafts for a row, and what it learns from the outcome (proposers.py: plain, drafter, lookup, hybrid)."""
+
+    block_size: int  # drafts per cycle at most
+    needs_features: bool  # the target forward computes features for it
+    drafter_pass: bool  # a policy's skip decision applies to it
+    counts_cycles: bool  # its steps are draft cycles (tau)
+
+    def claim(self, seq: SeqState) -> None: ...
+    def release(self, seq: SeqState) -> None: ...
+    def extend(self, seq: SeqState, features) -> None: ...
+    def propose(self, seqs: Sequence[SeqState], rooms: Sequence[int], draft: bool = True) -> list: ...
+    def observe(self, seq: SeqState, proposal, verified: int, accepted: int, features) -> None: ...
+
+
+class Policy(Protocol):
+    """How many drafts to verify (schedule.py VerifyPolicy and its family)."""
+
+    def start(self) -> None: ...
+    def wants_draft(self, rows: Sequence[SeqState]) -> bool: ...
+    def verify_lengths(self, proposals: Sequence, rows: Sequence[SeqState]) -> list[int]: ...
+    def observe(self, proposal, verified: int, accepted: int, row=None) -> None: ...
+
+
+class TargetSide(Protocol):
+    """The target as a step sees it: OneCache or RowCache below."""
+
+    target: object
+
+    def forward(self, ids, num_new=None, start=0, logits="all", layer_ids=None, with_features=False): ...
+    def set_length(self, slot: int, length: int) -> None: ...
+
+
 # ----- the target side: one sequence, or the rows of one cache -----
 
 
@@ -156,7 +193,7 @@ class RowCache:
 # ----- prefill: a prompt chunk, and the first token when the prompt is in -----
 
 
-def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> torch.Tensor | None:
+def prefill(seq: SeqState, side: TargetSide, proposer: Proposer, n: int, layer_ids=None) -> torch.Tensor | None:
     """The next n prompt tokens of `seq` into its cache slot; when that completes the prompt, the logits
     after it ([V], for `commit_first`), else None."""
     dev = side.target.device
@@ -170,7 +207,7 @@ def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> torch.Tens
     return out.logits[0, -1] if last else None
 
 
-def commit_first(seq: SeqState, logits_row: torch.Tensor, proposer) -> list[int]:
+def commit_first(seq: SeqState, logits_row: torch.Tensor, proposer: Proposer) -> list[int]:
     """After the prompt: draw and commit the first token (logits_row [V]); the proposer observes it."""
     tok = first_token(logits_row, seq.sampling, seq.gen)
     seq.res.tokens.append(tok)
@@ -209,7 +246,7 @@ class StepResult:
     verify_s: float = 0.0  # the target forward, acceptance and rollback (timed steps only)
 
 
-def plan_step(rows: Sequence[SeqState], proposer, policy, limit: int | None) -> StepPlan:
+def plan_step(rows: Sequence[SeqState], proposer: Proposer, policy: Policy, limit: int | None) -> StepPlan:
     """Rooms, the skip decision, proposals and verify lengths for these rows: everything but the forward."""
     rooms = [r.room(proposer.block_size, limit) for r in rows]  # [R]
     draft = not proposer.drafter_pass or policy.wants_draft(rows)
@@ -278,9 +315,9 @@ def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int, c
 
 def step(
     rows: Sequence[SeqState],
-    proposer,
-    policy,
-    side,
+    proposer: Proposer,
+    policy: Policy,
+    side: TargetSide,
     limit: int | None,
     layer_ids: Sequence[int] | None = None,
     timed: bool = False,
