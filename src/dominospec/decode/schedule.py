@@ -31,6 +31,7 @@ A row (SeqState) gives the policy its context (committed_len) and its sampling s
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -399,9 +400,6 @@ class StaticPolicy(ConfidencePolicy):
         return {"verify": self.name, "confidence_threshold": self.threshold, "calibration": self.note}
 
 
-ROW_ACCEPTANCE = "running_acceptance"  # SeqState.extra: the request's own RunningAcceptance (cost policy)
-
-
 class RunningAcceptance:
     """P(draft k accepted | drafts < k were), per block position, from recent drafter cycles.
 
@@ -456,7 +454,8 @@ def _samples(rows: Sequence) -> bool:
 @dataclass
 class CostPolicy(ConfidencePolicy):
     """DSpark's Algorithm 1 over the rows of a step, and the skip-and-probe decision before it, from each
-    request's own running acceptance (SeqState.extra, from its first drafter cycle; the pooled one before).
+    request's own running acceptance (kept by the policy per row while the row lives, from its first drafter
+    cycle; the pooled one before).
 
     costs: a CostTable (batch 1) or BatchCostTable (the engine), anything with step_seconds and
     drafting_costs."""
@@ -469,6 +468,7 @@ class CostPolicy(ConfidencePolicy):
 
     def __post_init__(self):
         self.choice = ConfidenceChoice()  # kept across generations, as the top calibration
+        self.own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # row -> its own RunningAcceptance
         self.start()
 
     def start(self) -> None:
@@ -515,8 +515,11 @@ class CostPolicy(ConfidencePolicy):
 
     def acceptance_of(self, row) -> RunningAcceptance:
         """The row's own running acceptance once it has drafted, else the pooled one (every drafter cycle)."""
-        extra = getattr(row, "extra", None)
-        return (extra or {}).get(ROW_ACCEPTANCE) or self.acceptance
+        try:
+            own = self.own.get(row)
+        except TypeError:  # a row without an identity (unhashable, no weak reference): the pooled estimate
+            own = None
+        return own or self.acceptance
 
     def drafting_pays(self, rows: Sequence) -> bool:
         """Whether a step with a drafter pass, at each row's own running acceptance, beats a plain step of
@@ -548,9 +551,9 @@ class CostPolicy(ConfidencePolicy):
         if proposal.draft_top is not None:
             self.top_calibration.record(proposal.draft_top, verified, accepted)
         if row is not None:  # the request's own estimate starts from the pooled one (worth two cycles)
-            own = row.extra.get(ROW_ACCEPTANCE)
-            if own is None:
-                own = row.extra[ROW_ACCEPTANCE] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
+            own = self.acceptance_of(row)
+            if own is self.acceptance:
+                own = self.own[row] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
             own.record(verified, accepted)
 
     def describe(self) -> dict:

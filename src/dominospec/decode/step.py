@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -75,7 +75,7 @@ def check_request(prompt: Sequence[int], max_new_tokens: int, vocab_size: int, c
     return fit_request(len(prompt), max_new_tokens, context, cap=cap)
 
 
-@dataclass
+@dataclass(eq=False)  # a row is itself (hashable by identity): a policy keeps per-row state keyed by it
 class SeqState:
     """One row between steps. tokens[-1] is the anchor: committed, not yet in the target cache."""
 
@@ -91,7 +91,6 @@ class SeqState:
     draft_cache: object = None  # this row's drafter cache (drafter / hybrid)
     speculative: bool = True  # False: this row proposes nothing (plain decoding in any batch)
     done: bool = False
-    extra: dict = field(default_factory=dict)  # a proposer's own per-row data
 
     def __post_init__(self):
         if self.res is None:
