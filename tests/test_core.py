@@ -5,7 +5,9 @@ import torch
 from conftest import BACKENDS, PROMPTS, assert_matches_target_distribution, soft_target, tiny_drafter
 
 from dominospec import SamplingConfig, generate_autoregressive, generate_speculative
-from dominospec.sampling import accept_rejection
+from dominospec.decode.proposers import make_proposer
+from dominospec.decode.single import decode
+from dominospec.sampling import accept_drafts, accept_rejection, warp_probs
 
 HEADS = ["none", "domino", "markov", "rnn", "path"]
 
@@ -134,6 +136,77 @@ def test_rejection_step_preserves_first_token_distribution():
     assert fit(p_d[0]) < 1e-6  # the control: the test can tell the two apart
 
 
+def mixed_batch(gen, V=7, ks=(0, 3, 2, 4), samplings=None):
+    """One step's inputs for rows of different kinds: padded logits [R, S, V], drafts per row, draft distributions."""
+    samplings = samplings or [SamplingConfig(0.0), SamplingConfig(1.0), SamplingConfig(0.0), SamplingConfig(0.7, 3)]
+    S = max(ks) + 1
+    logits = torch.randn(len(ks), S, V, generator=gen, dtype=torch.float64) * 2
+    drafts, probs = [], []
+    for r, k in enumerate(ks):
+        p_d = torch.softmax(torch.randn(k, V, generator=gen, dtype=torch.float64) * 2, -1)
+        greedy_path = logits[r, :k].argmax(-1)  # greedy rows: drafts that agree for a while, then may not
+        d = torch.where(torch.rand(k, generator=gen) < 0.7, greedy_path, torch.multinomial(p_d, 1, generator=gen)[:, 0])
+        drafts.append(d if samplings[r].greedy else torch.multinomial(p_d, 1, generator=gen)[:, 0] if k else d)
+        probs.append(None if samplings[r].greedy else p_d)
+    return logits, drafts, probs, samplings
+
+
+def accept_in_one_call(logits, drafts, probs, samplings, seeds):
+    R, S, V = logits.shape
+    cu = [0]
+    for d in drafts:
+        cu.append(cu[-1] + len(d))
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    flat = torch.cat(drafts)
+    return accept_drafts(flat, cu, logits.reshape(R * S, V), [r * S for r in range(R)], probs, samplings, gens)
+
+
+def test_one_acceptance_call_equals_the_per_row_reference_with_greedy_and_sampled_rows():
+    """Greedy rows: the longest prefix equal to the target's argmax (bit-identical); sampled rows: exactly the
+    per-row rejection sampler's draws, each row with its own generator, whatever shares the call."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        logits, drafts, probs, samplings = mixed_batch(gen)
+        seeds = [trial * 10 + r for r in range(len(drafts))]
+        ns, nxts, errors = accept_in_one_call(logits, drafts, probs, samplings, seeds)
+        assert errors == [None] * len(drafts)
+        for r, (d, s) in enumerate(zip(drafts, samplings)):
+            k = len(d)
+            if s.greedy:
+                picks = logits[r, : k + 1].argmax(-1).tolist()
+                n = next((i for i in range(k) if picks[i] != int(d[i])), k)
+                want = (n, picks[n])
+            else:
+                row_gen = torch.Generator().manual_seed(seeds[r])
+                p_d = probs[r] if k else logits[r, :0]
+                want = accept_rejection(d, p_d, warp_probs(logits[r, : k + 1], s), row_gen)
+            assert (ns[r], nxts[r]) == want, (trial, r)
+
+
+def test_a_sampled_row_in_a_mixed_call_commits_the_target_distribution():
+    """The chi-square harness on one sampled row sharing its call with greedy rows: its first committed token is
+    distributed as the target's first row; the control (the draft's own row) does not fit."""
+    from scipy.stats import chisquare
+
+    gen = torch.Generator().manual_seed(1)
+    samplings = [SamplingConfig(0.0), SamplingConfig(1.0), SamplingConfig(0.0)]
+    logits, drafts, _, _ = mixed_batch(gen, ks=(2, 3, 1), samplings=samplings)
+    p_t = torch.softmax(logits[1, 0], -1)
+    p_d = torch.softmax(torch.randn(3, logits.shape[-1], generator=gen, dtype=torch.float64) * 1.5, -1)
+    n, counts = 6000, torch.zeros(logits.shape[-1])
+    draw = torch.Generator().manual_seed(2)
+    for i in range(n):
+        drafts[1] = torch.multinomial(p_d, 1, generator=draw)[:, 0]
+        ns, nxts, _ = accept_in_one_call(logits, drafts, [None, p_d, None], samplings, [0, 1000 + i, 0])
+        counts[int(drafts[1][0]) if ns[1] > 0 else nxts[1]] += 1
+
+    def fit(p):
+        return chisquare(counts.tolist(), (p / p.sum() * n).tolist()).pvalue
+
+    assert fit(p_t) > 1e-3
+    assert fit(p_d[0]) < 1e-6
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sampling,draft_vocab,head",
@@ -146,34 +219,36 @@ def test_rejection_step_preserves_first_token_distribution():
     ],
     ids=["T1", "topk", "topp", "T1-subvocab", "T1-path"],
 )
-def test_rejection_sampling_preserves_target_distribution(sampling, draft_vocab, head):
+def test_rejection_sampling_preserves_target_distribution(sampling, draft_vocab, head, rule=accept_rejection):
     """Speculative sampling commits 3-token continuations with exactly the target's probabilities.
 
     Chi-square goodness of fit (fixed seeds) against enumeration (conftest). With a draft vocabulary
-    the draft puts zero mass outside it, and the output must not care.
+    the draft puts zero mass outside it, and the output must not care. rule: the rejection sampler the
+    loop runs (the control below passes a wrong one).
     """
     target = soft_target()
     drafter = tiny_drafter(target, head=head, block_size=3, seed=4, draft_vocab=draft_vocab, path_candidates=3)
     prompt = [1, 2, 3, 4]
+    proposer = make_proposer(drafter, False)
 
+    @torch.inference_mode()
     def run(seed):
-        return generate_speculative(target, drafter, prompt, 3, sampling, seed=seed, eos_ids=[])
+        layers = drafter.config.target_layer_ids
+        return decode(target, proposer, None, prompt, 3, sampling, seed, [], layers=layers, rule=rule)
 
     seen = assert_matches_target_distribution(run, target, prompt, sampling)
     assert seen["accepted_any"] > 100  # drafts are really being accepted, not only resampled
 
 
 @pytest.mark.slow
-def test_sampling_distribution_test_detects_a_wrong_acceptance_rule(monkeypatch):
+def test_sampling_distribution_test_detects_a_wrong_acceptance_rule():
     """The chi-square test above has power: always accepting the drafts must fail it."""
-    import dominospec.decode.step as dec
 
     def accept_all(drafts, draft_probs, target_probs, gen):
         return drafts.shape[0], int(torch.multinomial(target_probs[-1], 1, generator=gen))
 
-    monkeypatch.setattr(dec, "accept_rejection", accept_all)
     with pytest.raises(AssertionError, match="pvalue|cannot produce"):
-        test_rejection_sampling_preserves_target_distribution(SamplingConfig(1.0), 0, "domino")
+        test_rejection_sampling_preserves_target_distribution(SamplingConfig(1.0), 0, "domino", rule=accept_all)
 
 
 # ----- caches -----

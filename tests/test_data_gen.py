@@ -87,25 +87,17 @@ def test_slots_need_the_native_forward(hf_target, tmp_path):
         prepare_data(hf_target, CONVERSATIONS, tmp_path / "d", replace(CFG, sampler="slots"), codec=CharCodec().codec())
 
 
-class CrashingNative:
-    """The native forward, raising after `calls` passes: a run killed in the middle of a shard."""
+class CrashingRows:
+    """The target, its row forward raising after `calls` passes: a run killed in the middle of a shard."""
 
-    def __init__(self, native, calls):
-        self.native, self.left = native, calls
+    def __init__(self, target, calls):
+        self.target, self.left = target, calls
 
-    def __call__(self, *args, **kwargs):
+    def forward_rows(self, *args, **kwargs):
         if self.left == 0:
             raise RuntimeError("simulated crash")
         self.left -= 1
-        return self.native(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.native, name)
-
-
-class WithNative:
-    def __init__(self, target, native):
-        self.target, self.native = target, native
+        return self.target.forward_rows(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.target, name)
@@ -114,7 +106,7 @@ class WithNative:
 def test_slots_run_resumes_after_a_crash_exactly_as_an_uninterrupted_one(target, tmp_path):
     cfg, codec = replace(CFG, sampler="slots"), CharCodec().codec()
     prepare_data(target, CONVERSATIONS, tmp_path / "ref", cfg, codec=codec, progress=False)
-    crashing = WithNative(target, CrashingNative(target.native, 20))
+    crashing = CrashingRows(target, 20)
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare_data(crashing, CONVERSATIONS, tmp_path / "run", cfg, codec=codec, progress=False)
     done = sorted(p.name for p in (tmp_path / "run").glob("samples-*.jsonl"))

@@ -15,6 +15,7 @@ from dominospec.decode.schedule import BatchCostTable, CostPolicy, VerifyPolicy,
 from dominospec.engine import Engine, EngineFull, EngineRequest
 from dominospec.engine.memory import slot_bytes_needed
 from dominospec.tune.policy import make_policy
+from dominospec.tune.spec import SpecConfig
 
 GREEDY, T1 = SamplingConfig(), SamplingConfig(1.0)
 ROW, SAMPLED = SimpleNamespace(committed_len=1, sampling=GREEDY), SimpleNamespace(committed_len=1, sampling=T1)
@@ -403,9 +404,9 @@ def test_submit_refuses_bad_requests_with_the_numbers(target, drafter):
         engine.submit(EngineRequest([1], 0))
     with pytest.raises(DominoError, match=r"prompt \(10 tokens\) \+ max_new_tokens \(30\) \+ 4 draft positions"):
         engine.submit(EngineRequest(list(range(10)), 30))
-    with pytest.raises(DominoError, match="policy 'fast'"):
+    with pytest.raises(DominoError, match="verify='fast': choose from fixed, static, cost"):
         Engine(target, policy="fast")
-    with pytest.raises(DominoError, match="drafts: give a drafter"):
+    with pytest.raises(DominoError, match="verify='fixed' schedules drafts, and this run proposes none"):
         Engine(target, policy="fixed")
     engine.shutdown()
     with pytest.raises(DominoError, match="shut down"):
@@ -463,9 +464,17 @@ def test_bench_concurrency_reports_every_policy_and_level(target, drafter, tmp_p
         with pytest.raises(DominoError, match="--concurrency"):
             parse_concurrency(bad)
     data = {"set": [[1, 2, 3], [4, 5, 6, 7], [9, 9]]}
-    res = bench_concurrency(target, drafter, data, [1, 2], ["plain", "fixed", "lookup"], max_new_tokens=6, costs=COSTS)
+    specs = {
+        "plain": SpecConfig(),
+        "drafter-fixed": SpecConfig("drafter", "fixed", drafter),
+        "lookup-cost": SpecConfig("lookup", "cost"),
+        # a drafter without a confidence head cannot run static: skipped, with a note
+        "drafter-static": SpecConfig("drafter", "static", tiny_drafter(target, block_size=4)),
+    }
+    res = bench_concurrency(target, specs, data, [1, 2], max_new_tokens=6, costs=COSTS)
+    assert res["notes"] and res["notes"][0].startswith("drafter-static: skipped")
     assert [(r["policy"], r["concurrency"]) for r in res["rows"]] == [
-        (p, c) for p in ("plain", "fixed", "lookup") for c in (1, 2)
+        (p, c) for p in ("plain", "drafter-fixed", "lookup-cost") for c in (1, 2)
     ]
     for r in res["rows"]:
         assert r["requests"] == 3 and r["tokens"] <= 18 and r["tokens_per_s"] > 0 and r["errors"] == 0
@@ -473,4 +482,4 @@ def test_bench_concurrency_reports_every_policy_and_level(target, drafter, tmp_p
         assert r["mismatches"] == 0  # greedy, float64-exact tiny model: every run answers like the first
     paths = write_concurrency(res, tmp_path, plots=False)
     assert {p.name for p in paths} == {"concurrency.json", "concurrency.md"}
-    assert "| fixed | 2 |" in (tmp_path / "concurrency.md").read_text()
+    assert "| drafter-fixed | 2 |" in (tmp_path / "concurrency.md").read_text()

@@ -45,17 +45,15 @@ def test_greedy_custom_generate_equals_plain_generate(family, drafter, monkeypat
     target = tiny_target(family, dtype=torch.float32)
     model = target.model
     plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False)
-    spec = Recorder(monkeypatch, "generate_speculative")
-    auto = Recorder(monkeypatch, "generate_autoregressive")
+    loop = Recorder(monkeypatch, "run_spec")
     given = tiny_drafter(target) if drafter == "tiny" else drafter
     ours = model.generate(PROMPT, max_new_tokens=40, do_sample=False, custom_generate=domino_generate, drafter=given)
     assert torch.equal(ours, plain)
     assert ours.shape == (1, PROMPT.shape[1] + 40)
     # control: dominospec's loop ran (not transformers' own), speculative when a proposer was given
-    used = auto if drafter is None else spec
-    assert len(used.results) == 1 and used.results[0].new_tokens == 40
-    if drafter is not None:
-        assert used.results[0].cycles > 0
+    assert len(loop.results) == 1 and loop.results[0].new_tokens == 40
+    assert loop.kwargs[0][0][0].proposer == {"tiny": "drafter", "lookup": "lookup", None: "none"}[drafter]
+    assert (loop.results[0].cycles > 0) == (drafter is not None)
 
 
 def test_streams_through_a_text_streamer(tiny32, capsys):
@@ -122,7 +120,7 @@ def test_left_padding_is_dropped_at_batch_one(tiny32):
 
 def test_sampling_settings_reach_the_loop_and_torch_seed_repeats_a_call(tiny32, monkeypatch):
     model, drafter = tiny32
-    spy = Recorder(monkeypatch, "generate_speculative")
+    spy = Recorder(monkeypatch, "run_spec")
     settings = dict(max_new_tokens=16, do_sample=True, temperature=0.7, top_k=9, top_p=0.9)
     runs = []
     for _ in range(2):

@@ -325,3 +325,15 @@ def test_no_test_module_imports_another():
     assert {"conftest", "dominospec"} <= imported_top_names(TESTS_ROOT / "test_core.py")  # control: imports are read
     offenders = {p.name: sorted(imported_top_names(p) & local) for p in sorted(TESTS_ROOT.glob("test_*.py"))}
     assert {name: mods for name, mods in offenders.items() if mods} == {}
+
+
+def test_no_module_outside_targets_reaches_into_the_native_forward():
+    """Slot decoders ask the Target (new_row_cache, forward_rows, row_bytes_per_position, ...), never its
+    `.native` forward: the target package owns how its rows are laid out."""
+    reaching = sorted(
+        name
+        for name, path in modules().items()
+        if not name.startswith("dominospec.targets")
+        and any(isinstance(n, ast.Attribute) and n.attr == "native" for n in ast.walk(ast.parse(path.read_text())))
+    )
+    assert reaching == [], f"modules reading target.native: {reaching}"

@@ -189,12 +189,18 @@ def test_cost_policy_skips_the_drafter_while_it_does_not_pay_probes_and_resumes(
     assert CostPolicy(costs=COSTS).wants_draft([row()])
 
 
+class Row(SimpleNamespace):
+    """A row as the policy sees one: itself (hashable by identity), as SeqState is."""
+
+    __hash__ = object.__hash__
+
+
 def test_cost_policy_skip_decision_reads_each_requests_own_acceptance():
     """Protects: a request whose drafts keep failing stops paying for a drafter pass while one whose drafts
     are accepted keeps drafting (one pooled estimate would give both the same answer); a request that has not
     drafted yet reads the pooled estimate."""
     policy = CostPolicy(costs=CostTable({0: [1.0, 1.2, 1.4, 1.6]}, draft_s=0.2), block_size=3, probe_every=100)
-    code, chat, new = (SimpleNamespace(extra={}, **vars(row())) for _ in range(3))
+    code, chat, new = (Row(**vars(row())) for _ in range(3))
     for _ in range(20):
         policy.observe(proposal([0.5] * 3), verified=3, accepted=3, row=code)
         policy.observe(proposal([0.5] * 3), verified=3, accepted=0, row=chat)

@@ -22,11 +22,11 @@ from conftest import paced_engine, serving, tiny_chat_target
 from prometheus_client.parser import text_string_to_metric_families
 
 import dominospec
+from dominospec.bench.loadtest import LoadTestConfig, check_loopback, percentiles, run_loadtest
 from dominospec.decode import generate_autoregressive
 from dominospec.engine import Engine
 from dominospec.sampling import SamplingConfig
 from dominospec.serve import ServeConfig, free_port
-from dominospec.serve.loadtest import LoadTestConfig, check_loopback, percentiles, run_loadtest
 from dominospec.serve.text import TextStream
 
 SRC = Path(dominospec.__file__).resolve().parents[1]  # the subprocess imports the package under test

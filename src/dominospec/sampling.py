@@ -1,14 +1,16 @@
-"""Sampling settings, logit warping and the two lossless acceptance rules.
+"""Sampling settings, logit warping and the one acceptance function (`accept_drafts`).
 
 Greedy: a draft is accepted while it equals the target's argmax, so the output is token for
 token what plain greedy decoding gives. Sampling: Leviathan/Chen rejection sampling against the
-distribution each draft was really drawn from, so the output is distributed as the target's.
+distribution each draft was really drawn from (`accept_rejection`, per row), so the output is
+distributed as the target's. `accept_drafts` applies both to every row of a step in one call.
 Warping (temperature, top-k, top-p) is one function, applied alike to target and draft.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,14 +141,6 @@ def _sample_rows_dense(logits: torch.Tensor, s: SamplingConfig, gens: list) -> l
     return [int(torch.multinomial(probs[r], 1, generator=g)) for r, g in enumerate(gens)]
 
 
-def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """drafts [b], target_logits [b+1, V] -> (accepted count, the target's next token)."""
-    choice = target_logits.argmax(-1)  # [b+1]
-    match = (choice[:-1] == drafts).int().cumprod(0)
-    n = int(match.sum())
-    return n, int(choice[n])
-
-
 def accept_rejection(
     drafts: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, gen: torch.Generator | None
 ) -> tuple[int, int]:
@@ -168,6 +162,58 @@ def accept_rejection(
     total = residual.sum()
     residual = residual / total if total > 0 else target_probs[n]
     return n, int(sample(residual, gen))
+
+
+def accept_drafts(
+    drafts: torch.Tensor,
+    cu_num_drafts: Sequence[int],
+    target_logits: torch.Tensor,
+    first_logit: Sequence[int],
+    draft_probs: Sequence[torch.Tensor | None],
+    samplings: Sequence[SamplingConfig],
+    gens: Sequence[torch.Generator | None],
+    rule: Callable = accept_rejection,
+) -> tuple[list[int | None], list[int | None], list[Exception | None]]:
+    """The acceptance of every row's drafts in one call, greedy and sampled rows alike (vLLM's flattened form).
+
+    drafts [N]: every row's verified drafts, concatenated; row r's are drafts[cu_num_drafts[r]:cu_num_drafts[r+1]]
+    (k_r of them; cu_num_drafts [R+1]). target_logits [T, V]: row r's k_r + 1 positions (one per draft, then the
+    bonus) start at first_logit[r] ([R]; cu_num_drafts[r] + r when the logits are flattened too, r * S for a
+    padded [R, S, V] batch viewed as [R * S, V]). draft_probs [R]: row r's [k_r, V] draft distributions (None for
+    a greedy row). Returns (accepted n [R], the target's next token [R], error [R]).
+
+    A greedy row accepts while its drafts equal the target's argmax (one argmax over every position), so its
+    output is token for token plain greedy decoding's. A sampled row runs `rule`, the per-row rejection sampler
+    (accept_rejection: the reference the chi-square tests pin), with its own generator, rows in order, so each
+    draws exactly what it would alone. A row whose sampling raises gets its exception (n, token None): it fails
+    alone. rule: the sampled rows' acceptance (a test passes a wrong one to show its harness has power).
+    """
+    greedy = [s.greedy for s in samplings]
+    choice = target_logits.argmax(-1).tolist() if any(greedy) else None  # [T] the target's own picks
+    flat = drafts.tolist() if any(greedy) else None
+    ns, nxts, errors = [], [], []
+    for r, g in enumerate(greedy):
+        lo, hi, at = cu_num_drafts[r], cu_num_drafts[r + 1], first_logit[r]
+        if g:
+            n = 0
+            while lo + n < hi and choice[at + n] == flat[lo + n]:
+                n += 1
+            ns.append(n)
+            nxts.append(choice[at + n])
+            errors.append(None)
+            continue
+        k = hi - lo
+        logits = target_logits[at : at + k + 1]  # [k+1, V]
+        probs = draft_probs[r] if draft_probs[r] is not None else logits[:0]
+        try:
+            n, nxt = rule(drafts[lo:hi], probs, warp_probs(logits, samplings[r]), gens[r])
+            err = None
+        except Exception as exc:  # e.g. a distribution torch cannot sample from
+            n, nxt, err = None, None, exc
+        ns.append(n)
+        nxts.append(nxt)
+        errors.append(err)
+    return ns, nxts, errors
 
 
 def acceptance_rate(p_d: torch.Tensor, p_t: torch.Tensor) -> torch.Tensor:

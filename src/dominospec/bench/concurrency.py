@@ -1,4 +1,7 @@
-"""The engine under load: closed-loop clients, per policy and concurrency (`bench --concurrency`).
+"""The engine under load: closed-loop clients, per configuration and concurrency (`bench --concurrency`).
+
+A configuration is a tune/spec.py SpecConfig (proposer x verify mode), labelled as `bench` labels its
+methods: plain, lookup-cost, drafter-fixed, hybrid-cost, ... (with the drafter's name when several run).
 
 At concurrency C, C clients each submit a request, wait for it, and submit the next, over the
 prompt sets, until every prompt has been answered once (at least C requests). The engine runs with
@@ -18,15 +21,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..decode.schedule import VERIFY_MODES
+from ..decode.result import tokens_per_cycle
 from ..devices import describe_device
 from ..engine import Engine, EngineRequest
 from ..errors import DominoError
 from ..io import write_json_atomic
 from ..sampling import SamplingConfig
 from ..tune.profile import precision
+from ..tune.spec import SpecConfig
 
-ENGINE_POLICIES = (*VERIFY_MODES, "lookup", "hybrid")  # lookup alone and the hybrid run cost-scheduled
 WARMUP_TOKENS = 8
 
 
@@ -47,21 +50,25 @@ def parse_concurrency(spec: str) -> list[int]:
     return levels
 
 
-def make_engine(target, drafter, policy: str, max_batch: int, block_size=None, costs=None, max_len=None) -> Engine:
-    """The engine of one bench policy: plain, fixed/static/cost (drafter), lookup alone and the hybrid (drafter +
-    lookup), both cost-scheduled."""
-    if policy not in ENGINE_POLICIES:
-        raise DominoError(f"engine policy {policy!r}: choose from {', '.join(ENGINE_POLICIES)}")
-    if policy in ("fixed", "static", "cost", "hybrid") and drafter is None:
-        raise DominoError(f"engine policy {policy!r} needs a drafter (--drafter DIR)")
-    kw = dict(max_batch=max_batch, max_queue=max(64, 2 * max_batch), max_len=max_len, block_size=block_size)
-    if policy == "plain":
-        return Engine(target, **kw)
-    if policy == "lookup":  # lookup and the hybrid are scheduled by cost too (fixed loses under load)
-        return Engine(target, lookup=True, policy="cost", costs=costs, **kw)
-    if policy == "hybrid":
-        return Engine(target, drafter, lookup=True, policy="cost", costs=costs, **kw)
-    return Engine(target, drafter, policy=policy, costs=costs, **kw)
+def make_engine(target, spec: SpecConfig, max_batch: int, costs=None, max_len=None) -> Engine:
+    """The engine of one configuration (tune/spec.py) with `max_batch` slots."""
+    return Engine(
+        target, spec=spec, max_batch=max_batch, max_queue=max(64, 2 * max_batch), max_len=max_len, costs=costs
+    )
+
+
+def runnable(target, specs: dict[str, SpecConfig], costs=None, max_len=None) -> tuple[dict[str, SpecConfig], list[str]]:
+    """The configurations an engine can run here, and a note for each one it cannot (e.g. static without a
+    confidence head), checked before anything is timed."""
+    ok, notes = {}, []
+    for label, spec in specs.items():
+        try:
+            make_engine(target, spec, 1, costs, max_len)
+        except DominoError as exc:
+            notes.append(f"{label}: skipped ({exc})")
+            continue
+        ok[label] = spec
+    return ok, notes
 
 
 def _quantile(xs: Sequence[float], q: float) -> float | None:
@@ -122,7 +129,7 @@ def summarize_level(results, wall: float) -> dict:
         "tpot_p90_s": _quantile(tpot, 0.9),
         "ttft_median_s": _quantile(ttft, 0.5),
         "ttft_p90_s": _quantile(ttft, 0.9),
-        "tau": (sum(sum(r.accepted) for r in results) + cycles) / cycles if cycles else None,
+        "tau": tokens_per_cycle([c for r in results for c in r.committed]) if cycles else None,
         "verify_per_request": statistics.mean(per_request_verify) if per_request_verify else None,
         "errors": sum(r.finish_reason == "error" for r in results),
     }
@@ -130,28 +137,30 @@ def summarize_level(results, wall: float) -> dict:
 
 def bench_concurrency(
     target,
-    drafter,
+    specs: dict[str, SpecConfig],
     datasets: dict[str, list[list[int]]],
     levels: Sequence[int],
-    policies: Sequence[str],
     max_new_tokens: int = 128,
     sampling: SamplingConfig = SamplingConfig(),
     seed: int = 0,
-    block_size: int | None = None,
     costs=None,
     progress=None,
 ) -> dict:
-    """Every policy at every concurrency level over the same prompts; the results dict (see module doc)."""
+    """Every configuration (label -> SpecConfig, tune/spec.py) at every concurrency level over the same
+    prompts; the results dict (see module doc). A configuration the engine cannot run is skipped with a note."""
     prompts = list(itertools.chain.from_iterable(datasets.values()))
     if not prompts:
         raise DominoError("bench --concurrency: no prompts")
-    max_len = max(len(p) for p in prompts) + max_new_tokens + 2 * (block_size or 16) + 2
-    for policy in policies:  # every policy's requirements (drafter, cost table) before anything runs
-        make_engine(target, drafter, policy, 1, block_size, costs, max_len)
+    widest = max((s.block_size or 16 for s in specs.values()), default=16)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + 2 * widest + 2
+    specs, notes = runnable(target, specs, costs, max_len)
+    for note in notes:
+        if progress:
+            progress(note)
     rows, reference = [], {}  # greedy: each prompt's tokens from the first run, what every other run must equal
-    for policy in policies:
+    for policy, spec in specs.items():
         for c in levels:
-            engine = make_engine(target, drafter, policy, c, block_size, costs, max_len)
+            engine = make_engine(target, spec, c, costs, max_len)
             warm = engine.submit(EngineRequest(prompts[0], WARMUP_TOKENS, sampling, seed=seed))
             engine.run_until_idle()
             warm.wait()
@@ -175,7 +184,9 @@ def bench_concurrency(
         "max_new_tokens": max_new_tokens,
         "prompts": {name: len(p) for name, p in datasets.items()},
         "levels": list(levels),
-        "policies": list(policies),
+        "policies": list(specs),
+        "configurations": {label: spec.describe() for label, spec in specs.items()},
+        "notes": notes,
         "rows": rows,
     }
 

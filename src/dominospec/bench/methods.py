@@ -37,7 +37,7 @@ from ..errors import DominoError
 from ..sampling import SamplingConfig
 from ..targets.context import cap_new_tokens
 from ..targets.load import BUNDLED_ALIASES
-from ..tune.policy import make_policy
+from ..tune.spec import SpecConfig, policy_of
 from .metrics import REFERENCE, PromptRun
 
 PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for the pld baseline
@@ -128,8 +128,9 @@ class Speculative(Method):
     use_head: bool = True  # False: the ablation (base logits only)
     block_size: int | None = None  # None: the drafter's own
     source: str = ""  # where the drafter came from
-    policy: VerifyPolicy | None = None  # how many drafts to verify each cycle (None: all)
+    policy: VerifyPolicy | None = None  # how many drafts to verify each cycle (None: all), built once from spec
     lookup_min_match: int | None = None  # a hybrid with prompt lookup from this match length
+    spec: SpecConfig | None = None  # the configuration it runs (tune/spec.py); None: an ablation or a sweep
 
     def new_lookup(self) -> PromptLookup | None:
         return PromptLookup(min_match=self.lookup_min_match) if self.lookup_min_match is not None else None
@@ -163,6 +164,8 @@ class Speculative(Method):
             d["hybrid_lookup_min_match"] = self.lookup_min_match
         if self.policy is not None:
             d.update(self.policy.describe())
+        if self.spec is not None:
+            d["configuration"] = self.spec.describe()
         return d
 
 
@@ -346,30 +349,23 @@ def build_methods(
         if note not in notes:
             notes.append(note)
 
-    def with_policies(name: str, drafter, b: int | None, lookup: bool) -> list[tuple[str, VerifyPolicy]]:
+    def with_policies(name: str, drafter, b: int | None, proposer: str) -> list[tuple[str, SpecConfig, VerifyPolicy]]:
+        """The method's configuration (tune/spec.py) and verify policy for each --verify mode it can run."""
         out = []
         for mode in verify:
+            spec = SpecConfig(proposer, mode, drafter, b, threshold, lookup_min_match)
             try:
-                policy = make_policy(
-                    mode,
-                    drafter,
-                    target,
-                    threshold=threshold,
-                    costs=costs,
-                    block_size=b,
-                    lookup=lookup,
-                    report=note_once,
-                )
+                policy = policy_of(spec, target, costs=costs, report=note_once)
             except DominoError as exc:
                 notes.append(f"{name}-{mode}: skipped ({exc})")
                 continue
-            out.append((name if mode == "fixed" else f"{name}-{mode}", policy))
+            out.append((name if mode == "fixed" else f"{name}-{mode}", spec, policy))
         return out
 
     if "lookup" in groups:
         b = block_size if isinstance(block_size, int) else LOOKUP_BLOCK_SIZE
-        for name, policy in with_policies(f"lookup-b{b}", None, b, True):
-            methods.append(PromptLookupAlone(name=name, block_size=b, policy=policy))
+        for name, spec, policy in with_policies(f"lookup-b{b}", None, b, "lookup"):
+            methods.append(PromptLookupAlone(name=name, block_size=b, policy=policy, spec=spec))
     seen: set[str] = set()
     formats = {getattr(d, "weight_format", "float32") for _, d in drafters}
     for source, d in drafters:
@@ -387,16 +383,18 @@ def build_methods(
         seen.add(name)
         common = dict(drafter=d, block_size=b, source=source)
         if "drafters" in groups:
-            for label, policy in with_policies(name, d, b, False):
-                methods.append(Speculative(name=label, policy=policy, **common))
+            for label, spec, policy in with_policies(name, d, b, "drafter"):
+                methods.append(Speculative(name=label, policy=policy, spec=spec, **common))
         if "ablation" in groups:
             if d.config.head == "none":
                 notes.append(f"{name}: no ablation, its head is already 'none'")
             else:
                 methods.append(Speculative(name=f"{name}-nohead", use_head=False, **common))
         if "hybrid" in groups:
-            for label, policy in with_policies(f"hybrid-{name}", d, b, False):
-                methods.append(Speculative(name=label, policy=policy, lookup_min_match=lookup_min_match, **common))
+            for label, spec, policy in with_policies(f"hybrid-{name}", d, b, "hybrid"):
+                methods.append(
+                    Speculative(name=label, policy=policy, spec=spec, lookup_min_match=lookup_min_match, **common)
+                )
         if "sweep" in groups:
             stem = name.rsplit("-b", 1)[0]
             for smaller in range(1, b or d.config.block_size):

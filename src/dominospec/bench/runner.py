@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..data.prompts import read_prompt_file
-from ..decode.schedule import DRAFT_MODES
+from ..decode.schedule import VERIFY_MODES
 from ..devices import describe_device
 from ..drafter.checkpoint import ACCEPTANCE_NAME, sidecar_path
 from ..errors import DominoError
@@ -61,7 +61,7 @@ def parse_methods(spec: str) -> list[str]:
 
 
 def parse_verify(spec: str) -> list[str]:
-    return parse_choices(spec, "--verify", DRAFT_MODES)
+    return parse_choices(spec, "--verify", tuple(VERIFY_MODES))
 
 
 # ----- running -----

@@ -30,7 +30,7 @@ import httpx
 from ..data.prompts import user_turns
 from ..errors import DominoError
 from ..io import write_json_atomic
-from ..serve.loadtest import check_loopback, percentiles
+from .loadtest import check_loopback, percentiles
 from .report import fmt, markdown_table
 
 SCHEMA = "dominospec-bench-server/1"

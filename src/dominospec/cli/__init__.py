@@ -40,6 +40,7 @@ from . import (
     serve,
     train,
 )
+from .common import check_environment
 
 SUBCOMMANDS = [
     generate,
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     forget_created_dirs()
     try:
+        check_environment()  # the DOMINOSPEC_* switches, with the arguments, before anything loads
         return int(args.func(args) or 0)
     except DominoError as exc:
         remove_unused_dirs()  # a refused run leaves no empty --out behind

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from ..bench.concurrency import (
-    ENGINE_POLICIES,
     bench_concurrency,
     format_concurrency_table,
     parse_concurrency,
@@ -29,11 +28,11 @@ from ..errors import DominoError
 from ..io import ensure_writable_dir
 from ..log import log
 from ..tune.profile import auto_block_size, profile_verify_cost
+from ..tune.spec import DRAFTS, LOOKUP, NONE, PROPOSERS, SHIPPED, load_drafter, parse_spec
 from .common import (
-    LOOKUP,
     add_sampling_args,
     add_target_args,
-    add_verify_args,
+    add_verify_list_arg,
     block_size_arg,
     check_verify_args,
     require_at_least,
@@ -64,7 +63,7 @@ def cmd_bench(args) -> int:
     if not args.prompt_time_limit >= 0:
         raise DominoError(f"--prompt-time-limit must be >= 0 seconds (0: no limit), got {args.prompt_time_limit}")
     levels = parse_concurrency(args.concurrency) if args.concurrency is not None else None
-    policies = parse_choices(args.policies, "--policies", ENGINE_POLICIES) if levels else None
+    proposers = parse_choices(args.proposers, "--proposers", tuple(PROPOSERS)) if levels else None
     if levels and not args.prompts:
         raise DominoError("--concurrency needs --prompts FILE.jsonl")
     groups = parse_methods(args.methods)
@@ -83,6 +82,9 @@ def cmd_bench(args) -> int:
         )
     if args.save_acceptance:
         _check_save_acceptance_args(args, groups, verify, sampling)
+    # drafter directories are read and checked before the target loads
+    specs = concurrency_specs(args, proposers, verify) if levels else None
+    named = [(d, load_drafter(d, args.target)) for d in args.drafter] if not levels else []
     out = ensure_writable_dir(args.out)  # a benchmark's results are never lost to a bad --out
     target = target_from_args(args)
     warn_if_reduced_precision(target)
@@ -99,11 +101,11 @@ def cmd_bench(args) -> int:
     if not args.prompts:
         return 0
     if levels:
-        return _bench_concurrency(args, target, levels, policies, sampling, out)
+        return _bench_concurrency(args, target, levels, specs, sampling, out)
 
     drafters = []
-    if args.drafter:
-        drafters = [(d, resolve_drafter(target, d)) for d in args.drafter]
+    if named:
+        drafters = [(d, drafter.attach(target)) for d, drafter in named]
     elif any(g in groups for g in DRAFTER_GROUPS):
         shipped = resolve_drafter(target, None)
         if shipped is not None:
@@ -181,16 +183,43 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _bench_concurrency(args, target, levels, policies, sampling, out) -> int:
-    """The engine under closed-loop load: every policy at every concurrency level."""
-    needs_drafter = any(p in ("fixed", "static", "cost", "hybrid") for p in policies)
-    drafter = resolve_drafter(target, args.drafter[0] if args.drafter else None) if needs_drafter else None
+def concurrency_specs(args, proposers, verify) -> dict:
+    """label -> SpecConfig for --concurrency: each proposer with each --verify mode and each --drafter (default:
+    the shipped one), parsed by the one parser (tune/spec.py), labelled as the batch-1 methods are."""
+    words = args.drafter or [SHIPPED]
     block_size = args.block_size if isinstance(args.block_size, int) else None
-    datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
-    log(f"engine under load: policies {', '.join(policies)} at concurrency {', '.join(map(str, levels))}")
-    results = bench_concurrency(
-        target, drafter, datasets, levels, policies, args.max_new_tokens, sampling, args.seed, block_size, progress=log
+    specs = {}
+    for proposer in proposers:
+        if proposer == NONE:
+            specs["plain"] = spec_for(args, NONE, None, None, block_size)
+            continue
+        for word in words if proposer in DRAFTS else [LOOKUP]:
+            for mode in verify:
+                spec = spec_for(args, word, proposer == "hybrid" if proposer in DRAFTS else None, mode, block_size)
+                named = f" {word}" if proposer in DRAFTS and len(words) > 1 else ""
+                specs[f"{proposer}-{mode}{named}"] = spec
+    return specs
+
+
+def spec_for(args, word, lookup, mode, block_size):
+    return parse_spec(
+        "bench-concurrency",
+        drafter=word,
+        lookup=lookup,
+        verify=mode,
+        block_size=block_size,
+        threshold=args.confidence_threshold,
+        lookup_min_match=args.lookup_min_match,
+        seed=args.seed,
+        target_name=args.target,
     )
+
+
+def _bench_concurrency(args, target, levels, specs, sampling, out) -> int:
+    """The engine under closed-loop load: every configuration at every concurrency level."""
+    datasets = load_prompt_sets(args.prompts, target, args.limit, report=log)
+    log(f"engine under load: {', '.join(specs)} at concurrency {', '.join(map(str, levels))}")
+    results = bench_concurrency(target, specs, datasets, levels, args.max_new_tokens, sampling, args.seed, progress=log)
     written = write_concurrency(results, out, plots=not args.no_plots)
     print(format_concurrency_table(results))
     log("wrote " + ", ".join(str(p) for p in written))
@@ -200,8 +229,8 @@ def _bench_concurrency(args, target, levels, policies, sampling, out) -> int:
 def _bench_server(args) -> int:
     """Running servers under load per category and concurrency, and/or earlier runs, in one report."""
     need_serve_extra()
+    from ..bench.loadtest import check_loopback
     from ..bench.server import ServerBenchConfig, bench_server, load_runs, read_categories, write_report
-    from ..serve.loadtest import check_loopback
 
     require_at_least(args, 1, "max_new_tokens", "limit")
     for url in args.server:
@@ -363,7 +392,7 @@ def add_parser(sub) -> None:
         action="store_true",
         help="let --save-acceptance write into the shipped drafter inside the installed package (refused by default)",
     )
-    add_verify_args(p, several=True)
+    add_verify_list_arg(p)
     add_sampling_args(p)
     p.add_argument("--no-warmup", action="store_true", help="skip the uncounted warm-up run of each method")
     p.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
@@ -377,11 +406,11 @@ def add_parser(sub) -> None:
         "through the batched engine (instead of the batch-1 methods); writes DIR/concurrency.json/.md/.png",
     )
     c.add_argument(
-        "--policies",
-        default="plain,fixed,cost",
-        help=f"engine policies for --concurrency: comma list of {', '.join(ENGINE_POLICIES)} (lookup: prompt "
-        "lookup alone; hybrid: drafter + lookup, both cost-scheduled; cost, lookup and hybrid read this device's "
-        "cost table, measured on first use when missing) (default %(default)s)",
+        "--proposers",
+        default="none,drafter",
+        help=f"comma list of proposers for --concurrency ({', '.join(PROPOSERS)}); each one that drafts runs with "
+        "every --verify mode and every --drafter (a mode a drafter cannot run is skipped with a note); cost reads "
+        "this device's batched cost table, measured on first use when missing (default %(default)s)",
     )
     s = p.add_argument_group(
         "a running server (any OpenAI-compatible one on this machine)",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
 from ..decode.lookup import HYBRID_MIN_MATCH
-from ..decode.schedule import DEFAULT_THRESHOLD, DEFAULT_VERIFY, DRAFT_MODES, check_threshold, verify_mode_help
+from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, check_threshold, verify_mode_help
 from ..devices import threads_to_use
 from ..drafter import HEADS, Drafter, DrafterConfig, shipped_drafter_dir
 from ..errors import DominoError, flag
@@ -17,6 +18,35 @@ from ..log import log, log_once
 from ..sampling import MIN_TEMPERATURE, MIN_TOP_P, SamplingConfig, check_sampling
 from ..targets import DEFAULT_TARGET, Target, parse_layer_ids
 from ..targets.hf import BACKENDS
+from ..tune.spec import LOOKUP, NONE, SHIPPED, SURFACE_DEFAULTS, SpecConfig, parse_spec
+
+SWITCH_WORDS = ("on", "off", "1", "0", "true", "false", "yes", "no")  # what the package's on/off switches read
+
+
+def environment_switches() -> dict[str, tuple[str, ...]]:
+    """Every DOMINOSPEC_* switch the package reads that takes a word, with the words it takes (each from the
+    module that reads it). DOMINOSPEC_CACHE (a directory) and DOMINOSPEC_API_KEY (serve's key, checked by serve)
+    take free text."""
+    from ..drafter import fast
+    from ..targets import kernels, native
+
+    return {
+        kernels.ENV_SWITCH: SWITCH_WORDS,
+        kernels.BF16_DOT_SWITCH: SWITCH_WORDS,
+        native.FUSED_SWITCH: SWITCH_WORDS,
+        fast.ENV_SWITCH: SWITCH_WORDS,
+        fast.WEIGHTS_SWITCH: (*fast.DRAFTER_FORMATS, "auto"),
+    }
+
+
+def check_environment(environ=None) -> None:
+    """Refuse a switch set to a word its reader does not take, naming the variable and the words it takes:
+    checked with the arguments, before any model loads (a bad word otherwise surfaced after the load, or never)."""
+    environ = os.environ if environ is None else environ
+    for name, words in environment_switches().items():
+        value = environ.get(name)
+        if value is not None and value.strip().lower() not in words:
+            raise DominoError(f"{name}={value!r}: expected one of {', '.join(words)}")
 
 
 def default(cls, name: str):
@@ -243,46 +273,37 @@ def resolve_drafter(target, drafter_arg: str | None, no_draft: bool = False):
     return None
 
 
-def chosen_drafter(target, choice: str):
-    """The trained drafter that --drafter shipped / DIR names; shipped with none shipped for target is refused."""
-    drafter = resolve_drafter(target, None if choice == SHIPPED else choice)
-    if drafter is None:
-        raise DominoError(
-            f"--drafter shipped: no drafter is shipped for {target.name!r} (train one with `dominospec train` "
-            "and pass --drafter DIR, or use --drafter lookup or --drafter none)"
-        )
-    return drafter
+def add_spec_args(p: argparse.ArgumentParser, surface: str) -> None:
+    """The decoding configuration's flags (tune/spec.py): --drafter, --lookup / --no-lookup, --no-draft,
+    --verify, --confidence-threshold, --lookup-min-match; their defaults are `surface`'s row of
+    SURFACE_DEFAULTS."""
+    row = SURFACE_DEFAULTS[surface]
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help=f"{LOOKUP} (prompt lookup alone, no trained drafter), {SHIPPED} (the drafter shipped for the bundled "
+        f"target), a drafter directory, or {NONE} (plain decoding, as --no-draft); a drafter runs with prompt "
+        f"lookup (the hybrid) unless --no-lookup (default {row.proposer})",
+    )
+    p.add_argument(
+        "--lookup",
+        action="store_true",
+        help="hybrid (the default with a drafter, so this flag only states it): copy the continuation from the "
+        "prompt and the answer so far when the last --lookup-min-match tokens occurred there, use the drafter "
+        "otherwise",
+    )
+    p.add_argument("--no-lookup", action="store_true", help="the drafter alone, without prompt lookup")
+    p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (as --drafter none)")
+    p.add_argument(
+        "--verify",
+        default=None,
+        choices=tuple(VERIFY_MODES),
+        help="how many drafts to verify per cycle. " + verify_mode_help() + f" (default {row.verify})",
+    )
+    add_policy_args(p)
 
 
-LOOKUP = "lookup"  # --drafter lookup: prompt lookup alone, no trained drafter
-SHIPPED = "shipped"  # --drafter shipped: the drafter shipped for the bundled target
-NONE = "none"  # --drafter none: plain decoding
-
-# What `generate` and `serve` run without --drafter / --verify: prompt lookup alone with cost-scheduled
-# verification. On the held-out prompts/eval-* sets it measured best of every batch-1 configuration with
-# the shipped SmolLM2 drafter (1 thread, AMD EPYC, 2026-12-04: 1.3x over plain decoding at T=0, 1.1x at
-# T=1; the drafter with lookup 1.2x / 1.0x; docs/speed.md). A drafter that beats it changes this.
-DEFAULT_DRAFTER = LOOKUP
-
-
-def add_verify_args(p: argparse.ArgumentParser, several: bool = False, modes=DRAFT_MODES) -> None:
-    """--verify, --confidence-threshold, --lookup-min-match (the verify-length policy and the lookup proposer),
-    from the one table of verify modes (decode/schedule.py VERIFY_MODES). several: a comma list (bench)."""
-    if several:
-        p.add_argument(
-            "--verify",
-            default=",".join(modes),
-            help="comma list of verify-length policies to run each drafter (and hybrid) with. "
-            + verify_mode_help(modes)
-            + "; a mode a drafter cannot run is skipped with a note (default %(default)s)",
-        )
-    else:
-        p.add_argument(
-            "--verify",
-            default=None,
-            choices=modes,
-            help="how many drafts to verify per cycle. " + verify_mode_help(modes) + f" (default {DEFAULT_VERIFY})",
-        )
+def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--confidence-threshold",
         type=float,
@@ -298,7 +319,35 @@ def add_verify_args(p: argparse.ArgumentParser, several: bool = False, modes=DRA
     )
 
 
+def spec_from_args(args, surface: str, block_size: int | None = None) -> SpecConfig:
+    """The decoding configuration the flags ask for, checked (a drafter directory read) before any model loads."""
+    if args.lookup and args.no_lookup:
+        raise DominoError("--lookup and --no-lookup contradict each other: give one")
+    return parse_spec(
+        surface,
+        drafter=NONE if args.no_draft else args.drafter,
+        lookup=True if args.lookup else False if args.no_lookup else None,
+        verify=args.verify,
+        block_size=block_size,
+        threshold=args.confidence_threshold,
+        lookup_min_match=args.lookup_min_match,
+        seed=getattr(args, "seed", 0),
+        target_name=args.target,
+    )
+
+
+def add_verify_list_arg(p: argparse.ArgumentParser) -> None:
+    """bench's --verify: a comma list of verify modes, each drafter (and hybrid) run with each."""
+    p.add_argument(
+        "--verify",
+        default=",".join(VERIFY_MODES),
+        help="comma list of verify-length policies to run each drafter (and hybrid) with. "
+        + verify_mode_help()
+        + "; a mode a drafter cannot run is skipped with a note (default %(default)s)",
+    )
+    add_policy_args(p)
+
+
 def check_verify_args(args) -> None:
     check_threshold(args.confidence_threshold)
-    if hasattr(args, "lookup_min_match"):
-        require_at_least(args, 1, "lookup_min_match")
+    require_at_least(args, 1, "lookup_min_match")

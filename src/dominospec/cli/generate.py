@@ -5,26 +5,22 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
-from ..decode import PromptLookup, generate_autoregressive, generate_speculative
-from ..decode.schedule import DEFAULT_VERIFY
 from ..errors import DominoError
 from ..log import log
 from ..targets.context import encode_if_fits
-from ..tune.policy import make_policy
 from ..tune.profile import auto_block_size
+from ..tune.spec import SpecConfig, bind, run_spec
 from .common import (
-    DEFAULT_DRAFTER,
-    LOOKUP,
-    NONE,
     add_sampling_args,
+    add_spec_args,
     add_target_args,
-    add_verify_args,
     block_size_arg,
     check_verify_args,
-    chosen_drafter,
     require_at_least,
     sampling_from_args,
+    spec_from_args,
     target_from_args,
     warn_if_reduced_precision,
 )
@@ -49,46 +45,23 @@ def cmd_generate(args) -> int:
     require_at_least(args, 1, "max_new_tokens", *(["block_size"] if args.block_size != "auto" else []))
     check_verify_args(args)
     sampling = sampling_from_args(args)
-    if args.lookup and args.no_lookup:
-        raise DominoError("--lookup and --no-lookup contradict each other: give one")
-    choice = args.drafter or DEFAULT_DRAFTER
-    no_draft = args.no_draft or choice == NONE  # --drafter none: plain decoding, as on serve
-    lookup_only = choice == LOOKUP and not no_draft
-    if lookup_only and args.no_lookup:
-        raise DominoError("--no-lookup leaves nothing to draft with: give --drafter shipped or --drafter DIR")
+    auto = args.block_size == "auto"
+    spec = spec_from_args(args, "generate", None if auto else args.block_size)
     target = target_from_args(args)
-    drafter = None if lookup_only or no_draft else chosen_drafter(target, choice)
+    spec = bind(spec, target)
     warn_if_reduced_precision(target)
-    trained = drafter.config.extra.get("enable_thinking") if drafter is not None else None
+    trained = spec.drafter.config.extra.get("enable_thinking") if spec.drafter is not None else None
     if trained is not None and trained != args.enable_thinking:
         log(
             f"note: this drafter was trained on data made with thinking {'on' if trained else 'off'}, and this run "
             f"has it {'on' if args.enable_thinking else 'off'}: the output is the same, acceptance may be lower"
         )
-    block_size = args.block_size
-    if block_size == "auto":
-        block_size = None
-        if drafter is not None:
-            block_size, note = auto_block_size(target, drafter)
-            log(note)
-            if block_size == 0:
-                drafter = None
-        elif lookup_only:
-            log("--block-size auto: prompt lookup has no acceptance table; using its default block size")
-    hybrid = drafter is not None and not args.no_lookup  # the default: drafter + prompt lookup
-    lookup = PromptLookup(min_match=args.lookup_min_match) if lookup_only or hybrid else None
-    verify = args.verify or DEFAULT_VERIFY
-    policy = None
-    if drafter is not None or lookup is not None:
-        policy = make_policy(
-            verify,
-            drafter,
-            target,
-            threshold=args.confidence_threshold,
-            block_size=block_size,
-            lookup=lookup is not None,
-            report=log,
-        )
+    if auto and spec.drafter is not None:
+        block_size, note = auto_block_size(target, spec.drafter)
+        log(note)
+        spec = replace(spec, block_size=block_size) if block_size else SpecConfig(seed=spec.seed)
+    elif auto and spec.speculative:
+        log("--block-size auto: prompt lookup has no acceptance table; using its default block size")
 
     def encode_chat(text):
         return target.encode_chat(text, enable_thinking=args.enable_thinking)
@@ -102,33 +75,13 @@ def cmd_generate(args) -> int:
     colour = not args.json and not args.no_color and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     if not args.json:
         stream = MarkedPrinter(target.decode, sys.stdout, colour)
-    if drafter is None and lookup is None:
-        res = generate_autoregressive(target, prompt_ids, args.max_new_tokens, sampling, args.seed, on_tokens=stream)
-    else:
-        res = generate_speculative(
-            target,
-            drafter,
-            prompt_ids,
-            args.max_new_tokens,
-            sampling,
-            args.seed,
-            block_size=block_size,
-            on_tokens=stream,
-            verify=policy,
-            lookup=lookup,
-            marks=stream is not None,
-        )
+    res = run_spec(spec, target, prompt_ids, args.max_new_tokens, sampling, on_tokens=stream, marks=stream is not None)
     if stream is not None:
         stream.finish()
     text = target.decode(res.tokens)
     for note in res.notes:
         log(note)
-    mode = (
-        ("plain" if lookup is None else "lookup")
-        if drafter is None
-        else ("hybrid" if lookup is not None else "speculative")
-    )
-    configuration = mode if policy is None else f"{mode}, verify {verify}"
+    mode, configuration = spec.proposer if spec.speculative else "plain", spec.describe()
     if args.json:
         print(json.dumps({**res.to_dict(text), "configuration": configuration}))
         return 0
@@ -145,9 +98,9 @@ def cmd_generate(args) -> int:
     if res.cycles:
         print(
             f"[{mode}] draft {res.draft_s:.2f}s, verify {res.verify_s:.2f}s, prefill {res.prefill_s:.2f}s; "
-            f"accepted per position {res.accepted_per_position}; verify {verify}: "
+            f"accepted per position {res.accepted_per_position}; verify {spec.verify}: "
             f"{res.verified_per_cycle:.2f} drafts verified, {res.wasted_per_cycle:.2f} rejected per cycle"
-            + (f"; {res.lookup_cycles} lookup cycles" if lookup is not None else ""),
+            + (f"; {res.lookup_cycles} lookup cycles" if spec.uses_lookup else ""),
             file=sys.stderr,
         )
     return 0
@@ -203,21 +156,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("prompt", help="the user message")
     add_target_args(p)
-    p.add_argument(
-        "--drafter",
-        help="lookup (the default: prompt lookup alone, no trained drafter), shipped (the drafter shipped for "
-        "the bundled target), a drafter directory, or none (plain decoding, as --no-draft); a drafter runs "
-        "with prompt lookup (the hybrid) unless --no-lookup",
-    )
-    p.add_argument(
-        "--lookup",
-        action="store_true",
-        help="hybrid (the default with a drafter, so this flag only states it): copy the continuation from the "
-        "prompt and the answer so far when the last --lookup-min-match tokens occurred there, use the drafter "
-        "otherwise",
-    )
-    p.add_argument("--no-lookup", action="store_true", help="the drafter alone, without prompt lookup")
-    p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding")
+    add_spec_args(p, "generate")
     p.add_argument(
         "--block-size",
         type=block_size_arg,
@@ -240,6 +179,5 @@ def add_parser(sub) -> None:
         help="plain text even on a terminal (by default a terminal shows accepted drafter drafts in green and "
         "prompt-lookup copies in cyan; $NO_COLOR does the same)",
     )
-    add_verify_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)

@@ -19,7 +19,7 @@ HELD_OUT_SEED = 2026  # builtin prompts drawn with a seed the shipped data set d
 
 def cmd_loadtest(args) -> int:
     need_serve_extra()
-    from ..serve.loadtest import LoadTestConfig, check_loopback, run_loadtest, write_loadtest
+    from ..bench.loadtest import LoadTestConfig, check_loopback, run_loadtest, write_loadtest
 
     check_loadtest_args(args)
     check_loopback(args.url)

@@ -11,16 +11,14 @@ from pathlib import Path
 
 import torch
 
-from ..decode.schedule import DEFAULT_THRESHOLD, DEFAULT_VERIFY, VERIFY_MODES, check_threshold, verify_mode_help
 from ..errors import DominoError
 from ..log import log
 from .common import (
-    DEFAULT_DRAFTER,
-    LOOKUP,
-    NONE,
+    add_spec_args,
     add_target_args,
-    chosen_drafter,
+    check_verify_args,
     require_at_least,
+    spec_from_args,
     target_from_args,
     warn_if_reduced_precision,
 )
@@ -47,29 +45,15 @@ def cmd_serve(args) -> int:
     check_listen(args.host, args.port)  # a busy port or a bad host, before the model loads (and any warning)
     if not _is_loopback(args.host) and api_key is None:
         log(f"serve: listening on {args.host} without --api-key: anyone who reaches this port can use the model")
+    spec = spec_from_args(args, "serve", args.block_size)  # a drafter directory is checked before the target loads
     target = target_from_args(args)
-    choice = args.drafter or DEFAULT_DRAFTER
-    lookup = choice == LOOKUP
-    drafter = None
-    if choice not in (LOOKUP, NONE) and args.verify != "plain":
-        drafter = chosen_drafter(target, choice)  # refuses a missing shipped drafter instead of serving plain
-    verify = args.verify or (DEFAULT_VERIFY if drafter is not None or lookup else "plain")
-    if verify != "plain" and drafter is None and not lookup:
-        raise DominoError(
-            f"--verify {verify} drafts, but there is no drafter (none ships for {target.name!r}): "
-            "give --drafter DIR or --drafter lookup, or --verify plain"
-        )
     warn_if_reduced_precision(target)
     engine = Engine(
         target,
-        drafter,
-        lookup=lookup and verify != "plain",
-        policy=verify,
-        block_size=args.block_size,
+        spec=spec,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         max_len=args.max_len,
-        threshold=args.confidence_threshold,
     )
     config = ServeConfig(
         model_name=args.served_model_name or served_name(target.name),
@@ -78,9 +62,8 @@ def cmd_serve(args) -> int:
         allowed_hosts=LOOPBACK_HOSTS if _is_loopback(args.host) else None,
         allowed_origins=tuple(args.allow_origin),
     )
-    mode = "plain" if verify == "plain" else f"{'lookup' if drafter is None else 'drafter'}, verify {verify}"
     log(
-        f"serve: {target.name} ({mode}) on http://{args.host}:{args.port}/v1, {args.max_batch} slots of "
+        f"serve: {target.name} ({spec.describe()}) on http://{args.host}:{args.port}/v1, {args.max_batch} slots of "
         f"{engine.max_len} positions, queue {args.max_queue}"
     )
     # a request without a seed draws one from torch's global generator (decode/step.py make_generator):
@@ -106,7 +89,7 @@ def check_serve_args(args) -> None:
             f"--max-len {args.max_len} leaves no room for a request: a cycle needs the prompt, the anchor and "
             f"--block-size {args.block_size} draft positions ({args.block_size + MIN_MAX_LEN} at least)"
         )
-    check_threshold(args.confidence_threshold)
+    check_verify_args(args)
     if not args.request_timeout > 0:
         raise DominoError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -183,28 +166,8 @@ def add_parser(sub) -> None:
         "(open it in a browser). SIGTERM drains running requests and exits 0.",
     )
     add_target_args(p)
-    p.add_argument(
-        "--drafter",
-        default=None,
-        help=f"lookup (prompt lookup alone, no trained drafter; the default, as for `generate`), shipped (the "
-        f"drafter shipped for the bundled target), a drafter directory, or none (plain decoding) (default "
-        f"{DEFAULT_DRAFTER})",
-    )
-    p.add_argument(
-        "--verify",
-        default=None,
-        choices=tuple(VERIFY_MODES),
-        help="the verify-length policy over the batch. "
-        + verify_mode_help()
-        + f" (default: {DEFAULT_VERIFY} with a drafter or lookup, plain without)",
-    )
+    add_spec_args(p, "serve")
     p.add_argument("--block-size", type=int, default=None, help="draft tokens per cycle (default: the drafter's)")
-    p.add_argument(
-        "--confidence-threshold",
-        type=float,
-        default=DEFAULT_THRESHOLD,
-        help="for --verify static (default %(default)s)",
-    )
     p.add_argument(
         "--host", default="127.0.0.1", help="interface to listen on (default %(default)s: this machine only)"
     )

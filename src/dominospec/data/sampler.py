@@ -61,12 +61,14 @@ def sample_in_slots(
     capture: decoder layers whose states each job collects in job.states (the target dtype, the layers side by
     side, as the native forward's feature_layers gives them), complete when on_done sees the job.
     """
-    native, dev = target.native, target.device
+    dev = target.device
     eos = set(target.eos_ids)
-    cache = native.new_cache(batch=slots, max_len=max_len)
+    cache = target.new_row_cache(slots, max_len)
     jobs: list[AnswerJob | None] = [None] * slots  # the job in each cache row
     gens: list[torch.Generator | None] = [None] * slots
-    logits = torch.zeros(slots, native.cfg.vocab_size, dtype=native.dtype, device=dev)  # [R, V] next-token logits
+    logits = torch.zeros(
+        slots, target.vocab_size, dtype=target.row_logits_dtype, device=dev
+    )  # [R, V] next-token logits
     exhausted, steps = False, 0
     while True:
         for r in range(len(jobs)):  # refill free rows: each new prompt prefilled alone, no padding computed
@@ -77,7 +79,7 @@ def sample_in_slots(
                 elif job.budget < 1:
                     on_done(job)  # nothing to write (no room left in the context); may queue more
                 else:
-                    _prefill(native, cache, r, job, logits, dev, capture)
+                    _prefill(target, cache, r, job, logits, dev, capture)
                     jobs[r] = job
                     gens[r] = torch.Generator(device=dev).manual_seed(job.seed)
         busy = [r for r, job in enumerate(jobs) if job is not None]
@@ -104,8 +106,8 @@ def sample_in_slots(
             continue  # every row ended at once: refill before running anything
         cache.ensure(max(cache.lengths) + 1)
         ids = torch.tensor(picks, device=dev)[:, None]
-        out, states = native(ids, cache, num_new=going, logits="last", feature_layers=capture)  # [R, V], [R, 1, W]
-        logits = out
+        out = target.forward_rows(ids, cache, going, 0, "last", capture, with_features=bool(capture))
+        logits, states = out.logits[:, 0], out.features  # [R, V], [R, 1, W]
         steps += 1
         if capture:
             for r, job in enumerate(jobs):
@@ -123,13 +125,12 @@ def _close(rows: list[int], jobs: list, gens: list, cache, on_done) -> None:
         cache.set_length(r, 0)
 
 
-def _prefill(native, cache, r: int, job: AnswerJob, logits: torch.Tensor, dev, capture=None) -> None:
+def _prefill(target, cache, r: int, job: AnswerJob, logits: torch.Tensor, dev, capture=None) -> None:
     """Run job.prompt into cache row r (emptied first); its last-token logits land in logits[r]."""
-    cache.ensure(len(job.prompt) + job.budget + 1)  # before taking the row view: a view cannot grow
+    cache.ensure(len(job.prompt) + job.budget + 1)  # before the row's forward: a row view cannot grow
     cache.set_length(r, 0)
-    row = cache.row(r)
-    out, states = native(torch.tensor([job.prompt], device=dev), row, logits="last", feature_layers=capture)  # [1, V]
-    cache.sync(row, r)
-    logits[r] = out[0]
+    ids = torch.tensor([job.prompt], device=dev)  # [1, P]
+    out = target.forward_rows(ids, cache, None, r, "last", capture, with_features=bool(capture))  # logits [1, 1, V]
+    logits[r] = out.logits[0, 0]
     if capture:
-        job.states = [states[0]]  # [len(prompt), W]
+        job.states = [out.features[0]]  # [len(prompt), W]

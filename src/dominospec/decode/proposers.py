@@ -26,11 +26,9 @@ import torch
 
 from ..drafter.model import DraftCache
 from ..errors import DominoError
-from .lookup import LOOKUP_BLOCK_SIZE, PromptLookup
+from .lookup import HYBRID_MIN_MATCH, LOOKUP_BLOCK_SIZE, PromptLookup
 from .rollout import Proposal, draft_block, draft_rows
 from .step import SeqState
-
-PENDING = "draft_pending"  # SeqState.extra: target features not yet in the drafter's cache
 
 
 class PlainProposer:
@@ -62,12 +60,14 @@ class DrafterProposer:
     def __init__(self, drafter, block_size: int, rows=None, use_head: bool = True):
         """rows: a per-row draft cache (drafter.new_row_cache) for many sequences; None at batch 1."""
         self.drafter, self.block_size, self.rows, self.use_head = drafter, block_size, rows, use_head
+        self.pending: dict[int, list[torch.Tensor]] = {}  # slot -> target features not yet in its draft cache
 
     @property
     def bytes_per_row(self) -> int:
         return self.rows.bytes_per_row if self.rows is not None else 0
 
     def claim(self, seq: SeqState) -> None:
+        self.pending.pop(seq.slot, None)
         if self.rows is None:
             seq.draft_cache = self.drafter.new_cache()
         else:
@@ -78,15 +78,15 @@ class DrafterProposer:
         if self.rows is not None:
             self.rows.release(seq.slot)
         seq.draft_cache = None
-        seq.extra.pop(PENDING, None)
+        self.pending.pop(seq.slot, None)
 
     def extend(self, seq: SeqState, features: torch.Tensor) -> None:
         """Queue committed positions' target features; they enter the drafter's cache before its next
         proposal, all at once (a cycle without drafting then costs no drafter work at all)."""
-        seq.extra.setdefault(PENDING, []).append(features)
+        self.pending.setdefault(seq.slot, []).append(features)
 
     def _flush(self, seq: SeqState) -> None:
-        pending = seq.extra.pop(PENDING, None)
+        pending = self.pending.pop(seq.slot, None)
         if pending:
             self.drafter.extend_cache(seq.draft_cache, pending[0] if len(pending) == 1 else torch.cat(pending, 1))
 
@@ -136,12 +136,13 @@ class LookupProposer:
     needs_features = drafter_pass = False
     counts_cycles = True
 
-    def __init__(self, vocab_size: int, block_size: int = LOOKUP_BLOCK_SIZE, device=None):
+    def __init__(self, vocab_size: int, block_size: int = LOOKUP_BLOCK_SIZE, device=None, min_match: int | None = None):
         self.vocab_size, self.block_size, self.device = vocab_size, block_size, device
+        self.min_match = HYBRID_MIN_MATCH if min_match is None else min_match
 
     def claim(self, seq: SeqState) -> None:
         if seq.lookup is None:
-            seq.lookup = PromptLookup()
+            seq.lookup = PromptLookup(min_match=self.min_match)
         seq.lookup.start([])
 
     def release(self, seq: SeqState) -> None:
@@ -227,9 +228,11 @@ def make_proposer(
     use_head: bool = True,
     vocab_size: int | None = None,
     device=None,
+    min_match: int | None = None,
 ):
     """The proposer for a drafter, lookup, both, or neither (plain decoding); rows = slots of a per-row
-    draft cache (None: batch 1)."""
+    draft cache (None: batch 1); min_match: the hybrid's lookup minimum match (a row's own PromptLookup,
+    given at batch 1, keeps its own)."""
     if drafter is None and not lookup:
         return PlainProposer()
     b = block_size_for(drafter, block_size)
@@ -240,5 +243,5 @@ def make_proposer(
         vocab_size = vocab_size or drafter.config.vocab_size
     if not lookup:
         return dp
-    lp = LookupProposer(vocab_size, b, device)
+    lp = LookupProposer(vocab_size, b, device, min_match)
     return lp if dp is None else HybridProposer(dp, lp)

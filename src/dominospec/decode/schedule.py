@@ -6,9 +6,8 @@ One family, batched methods, the same at batch 1 and in the engine:
   verify_lengths(proposals, rows)   k_r in 0..len(proposal_r) per row; the target then runs [anchor, d_1..d_k]
   observe(proposal, verified, accepted)   a cycle's outcome (the running acceptance learns from it)
 
-Modes (VERIFY_MODES, the table every surface reads):
+Modes (VERIFY_MODES, the table every surface reads; plain decoding is a proposer, tune/spec.py):
 
-  plain   no drafting: every step is one plain decode step
   fixed   verify every draft (the block size decides)
   static  stop before the first slot whose calibrated confidence is below a threshold
   cost    DSpark's Algorithm 1: take drafts (r, j) by falling survival a_{r,j} = prod_{i<=j} c_{r,i} while
@@ -32,6 +31,7 @@ A row (SeqState) gives the policy its context (committed_len) and its sampling s
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,27 +42,24 @@ from .rollout import Proposal
 
 # name -> what it does: the one list of verify modes, with the help text every surface prints
 VERIFY_MODES = {
-    "plain": "no drafting, one token per target step",
     "fixed": "verify every draft",
     "static": "stop before the first slot whose calibrated confidence is under --confidence-threshold, for a "
     "drafter with a confidence head or prompt lookup",
     "cost": "draft and verify only while the expected tokens/s on this device rises, DSpark's scheduler, with "
     "the device profile measured on first use; greedy requests search the whole curve",
 }
-DRAFT_MODES = tuple(m for m in VERIFY_MODES if m != "plain")  # the modes that run a proposer
-DEFAULT_VERIFY = "cost"
 DEFAULT_THRESHOLD = 0.5
 ENGINE_PROFILE_ROWS = (1, 2, 4, 8)  # the batched cost table measured on first use by the engine's cost policy
 
 
-def verify_mode_help(modes: Sequence[str] = tuple(VERIFY_MODES)) -> str:
+def verify_mode_help() -> str:
     """'name: what it does. ...' for --help texts."""
-    return " ".join(f"{m}: {VERIFY_MODES[m]}." for m in modes)
+    return " ".join(f"{m}: {mode}." for m, mode in VERIFY_MODES.items())
 
 
-def check_verify_mode(mode: str, flag: str = "--verify", modes: Sequence[str] = tuple(VERIFY_MODES)) -> str:
-    if mode not in modes:
-        raise DominoError(f"{flag} {mode!r}: choose from {', '.join(modes)}")
+def check_verify_mode(mode: str, flag: str = "--verify") -> str:
+    if mode not in VERIFY_MODES:
+        raise DominoError(f"{flag} {mode!r}: choose from {', '.join(VERIFY_MODES)}")
     return mode
 
 
@@ -403,9 +400,6 @@ class StaticPolicy(ConfidencePolicy):
         return {"verify": self.name, "confidence_threshold": self.threshold, "calibration": self.note}
 
 
-ROW_ACCEPTANCE = "running_acceptance"  # SeqState.extra: the request's own RunningAcceptance (cost policy)
-
-
 class RunningAcceptance:
     """P(draft k accepted | drafts < k were), per block position, from recent drafter cycles.
 
@@ -460,7 +454,8 @@ def _samples(rows: Sequence) -> bool:
 @dataclass
 class CostPolicy(ConfidencePolicy):
     """DSpark's Algorithm 1 over the rows of a step, and the skip-and-probe decision before it, from each
-    request's own running acceptance (SeqState.extra, from its first drafter cycle; the pooled one before).
+    request's own running acceptance (kept by the policy per row while the row lives, from its first drafter
+    cycle; the pooled one before).
 
     costs: a CostTable (batch 1) or BatchCostTable (the engine), anything with step_seconds and
     drafting_costs."""
@@ -473,6 +468,7 @@ class CostPolicy(ConfidencePolicy):
 
     def __post_init__(self):
         self.choice = ConfidenceChoice()  # kept across generations, as the top calibration
+        self.own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # row -> its own RunningAcceptance
         self.start()
 
     def start(self) -> None:
@@ -519,8 +515,11 @@ class CostPolicy(ConfidencePolicy):
 
     def acceptance_of(self, row) -> RunningAcceptance:
         """The row's own running acceptance once it has drafted, else the pooled one (every drafter cycle)."""
-        extra = getattr(row, "extra", None)
-        return (extra or {}).get(ROW_ACCEPTANCE) or self.acceptance
+        try:
+            own = self.own.get(row)
+        except TypeError:  # a row without an identity (unhashable, no weak reference): the pooled estimate
+            own = None
+        return own or self.acceptance
 
     def drafting_pays(self, rows: Sequence) -> bool:
         """Whether a step with a drafter pass, at each row's own running acceptance, beats a plain step of
@@ -552,9 +551,9 @@ class CostPolicy(ConfidencePolicy):
         if proposal.draft_top is not None:
             self.top_calibration.record(proposal.draft_top, verified, accepted)
         if row is not None:  # the request's own estimate starts from the pooled one (worth two cycles)
-            own = row.extra.get(ROW_ACCEPTANCE)
-            if own is None:
-                own = row.extra[ROW_ACCEPTANCE] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
+            own = self.acceptance_of(row)
+            if own is self.acceptance:
+                own = self.own[row] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
             own.record(verified, accepted)
 
     def describe(self) -> dict:

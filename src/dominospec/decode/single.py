@@ -14,38 +14,30 @@ import torch
 
 from ..devices import synchronize
 from ..errors import DominoError
-from ..sampling import SamplingConfig
-from ..targets.context import cap_new_tokens
+from ..sampling import SamplingConfig, accept_rejection
 from .lookup import PromptLookup
 from .proposers import PlainProposer, make_proposer
 from .result import GenerationResult
 from .rollout import Proposal
 from .schedule import VerifyPolicy
-from .step import OneCache, SeqState, commit_first, make_generator, prefill, step
+from .step import OneCache, SeqState, check_request, commit_first, make_generator, prefill, step
 
 
-def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-    if len(prompt_ids) == 0:
-        raise DominoError("the prompt is empty (0 tokens)")
-    if max_new_tokens < 1:
-        raise DominoError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
-
-def _fit_budget(target, prompt_len: int, max_new_tokens: int, notes: list[str]) -> int:
-    """max_new_tokens capped so prompt and answer fit the target's context; the cap is noted."""
-    limit = target.max_positions
-    budget = cap_new_tokens(max_new_tokens, prompt_len, limit)
-    if budget < 1:
+def fit_budget(target, prompt_ids: Sequence[int], max_new_tokens: int, notes: list[str]) -> int:
+    """max_new_tokens capped so prompt and answer fit the target's context (step.check_request); the cap is noted."""
+    limit, n = target.max_positions, len(prompt_ids)
+    fit = check_request(prompt_ids, max_new_tokens, target.vocab_size, limit, cap=True)
+    if fit.refused is not None:
         raise DominoError(
-            f"the prompt has {prompt_len} tokens and fills the target's context of {limit} "
+            f"the prompt has {n} tokens and fills the target's context of {limit} "
             "positions: there is no room for an answer"
         )
-    if budget < max_new_tokens:
+    if fit.capped:
         notes.append(
-            f"max_new_tokens {max_new_tokens} capped at {budget}: the prompt ({prompt_len} tokens) and "
+            f"max_new_tokens {max_new_tokens} capped at {fit.budget}: the prompt ({n} tokens) and "
             f"the answer must fit the target's context of {limit} positions"
         )
-    return budget
+    return fit.budget
 
 
 @torch.inference_mode()
@@ -124,16 +116,17 @@ def decode(
     on_cycle: Callable[[Proposal, int, int], None] | None = None,
     layers: Sequence[int] | None = None,
     marks: bool = False,
+    rule=accept_rejection,
 ) -> GenerationResult:
-    """The batch-1 loop: prefill, then step([row]) until the row is done, timed."""
+    """The batch-1 loop: prefill, then step([row]) until the row is done, timed. rule: the rejection sampler of
+    sampled rows (sampling.accept_rejection; a test passes a wrong one to show its harness has power)."""
     dev = target.device
     b = proposer.block_size
     policy = verify or VerifyPolicy()
     policy.start()
-    _check_prompt(prompt_ids, max_new_tokens)
     eos = set(target.eos_ids if eos_ids is None else eos_ids)
     res = GenerationResult(tokens=[], prompt_len=len(prompt_ids), block_size=b)
-    budget = _fit_budget(target, res.prompt_len, max_new_tokens, res.notes)
+    budget = fit_budget(target, prompt_ids, max_new_tokens, res.notes)
     row = SeqState([int(t) for t in prompt_ids], budget, sampling, make_generator(seed, dev), eos, res, lookup)
 
     t0 = time.perf_counter()
@@ -145,7 +138,7 @@ def decode(
     if on_tokens:
         on_tokens(new, res.sources[-len(new) :]) if marks else on_tokens(new)
     while not row.done:
-        out = step([row], proposer, policy, side, target.max_positions, layers, timed=True)
+        out = step([row], proposer, policy, side, target.max_positions, layers, timed=True, rule=rule)
         if out.errors[0] is not None:
             raise out.errors[0]
         res.draft_s += out.draft_s

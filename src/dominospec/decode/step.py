@@ -6,8 +6,8 @@ settings and generator, EOS ids, committed tokens and per-cycle records, its cac
   1. plan      rooms (drafts that fit the context), the policy's skip decision (earlier steps only), the
                proposer's proposals, the policy's verify lengths k: a `StepPlan`, before the target runs
   2. verify    ONE target forward over [anchor, d_1..d_k] of every row (ragged: row r appends k_r + 1)
-  3. accept    greedy rows: one argmax over the batch; sampled rows: rejection sampling, each with its
-               own generator, in row order
+  3. accept    sampling.accept_drafts over the flattened drafts: greedy rows read one argmax over the
+               batch; sampled rows are rejection-sampled, each with its own generator, in row order
   4. roll back each row's cache keeps its context, anchor and accepted drafts
   5. commit    accepted drafts + the target's token, cut at EOS / budget; the proposer and the policy
                observe the outcome
@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..devices import synchronize
-from ..sampling import SamplingConfig, accept_greedy, accept_rejection, sample, warp_probs
+from ..errors import DominoError
+from ..sampling import SamplingConfig, accept_drafts, accept_rejection, sample, warp_probs
+from ..targets.context import fit_request
 from .lookup import PromptLookup
 from .result import GenerationResult
 from .rollout import Proposal
@@ -58,7 +61,21 @@ def truncate(tokens: list[int], eos: set[int], room: int) -> tuple[list[int], bo
     return tokens[:room], len(tokens) >= room
 
 
-@dataclass
+def check_request(prompt: Sequence[int], max_new_tokens: int, vocab_size: int, context: int | None, cap: bool):
+    """The one check of a request's tokens and budget (the batch-1 loop and Engine.submit): a DominoError for an
+    empty prompt, a token outside the vocabulary or max_new_tokens < 1, then its fit to `context`
+    (targets/context.py fit_request; cap: lower a budget that does not fit), for the caller to phrase."""
+    if len(prompt) == 0:
+        raise DominoError("the prompt is empty (0 tokens)")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise DominoError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab_size}")
+    if max_new_tokens < 1:
+        raise DominoError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return fit_request(len(prompt), max_new_tokens, context, cap=cap)
+
+
+@dataclass(eq=False)  # a row is itself (hashable by identity): a policy keeps per-row state keyed by it
 class SeqState:
     """One row between steps. tokens[-1] is the anchor: committed, not yet in the target cache."""
 
@@ -74,7 +91,6 @@ class SeqState:
     draft_cache: object = None  # this row's drafter cache (drafter / hybrid)
     speculative: bool = True  # False: this row proposes nothing (plain decoding in any batch)
     done: bool = False
-    extra: dict = field(default_factory=dict)  # a proposer's own per-row data
 
     def __post_init__(self):
         if self.res is None:
@@ -102,6 +118,42 @@ class SeqState:
         if not self.speculative:
             return 0
         return block_size if limit is None else max(0, min(block_size, limit - self.committed_len))
+
+
+# ----- what a step reads: a proposer, a verify policy, a target side -----
+
+
+class Proposer(Protocol):
+    """Who drafts for a row, and what it learns from the outcome (proposers.py: plain, drafter, lookup, hybrid)."""
+
+    block_size: int  # drafts per cycle at most
+    needs_features: bool  # the target forward computes features for it
+    drafter_pass: bool  # a policy's skip decision applies to it
+    counts_cycles: bool  # its steps are draft cycles (tau)
+
+    def claim(self, seq: SeqState) -> None: ...
+    def release(self, seq: SeqState) -> None: ...
+    def extend(self, seq: SeqState, features) -> None: ...
+    def propose(self, seqs: Sequence[SeqState], rooms: Sequence[int], draft: bool = True) -> list: ...
+    def observe(self, seq: SeqState, proposal, verified: int, accepted: int, features) -> None: ...
+
+
+class Policy(Protocol):
+    """How many drafts to verify (schedule.py VerifyPolicy and its family)."""
+
+    def start(self) -> None: ...
+    def wants_draft(self, rows: Sequence[SeqState]) -> bool: ...
+    def verify_lengths(self, proposals: Sequence, rows: Sequence[SeqState]) -> list[int]: ...
+    def observe(self, proposal, verified: int, accepted: int, row=None) -> None: ...
+
+
+class TargetSide(Protocol):
+    """The target as a step sees it: OneCache or RowCache below."""
+
+    target: object
+
+    def forward(self, ids, num_new=None, start=0, logits="all", layer_ids=None, with_features=False): ...
+    def set_length(self, slot: int, length: int) -> None: ...
 
 
 # ----- the target side: one sequence, or the rows of one cache -----
@@ -140,7 +192,7 @@ class RowCache:
 # ----- prefill: a prompt chunk, and the first token when the prompt is in -----
 
 
-def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> torch.Tensor | None:
+def prefill(seq: SeqState, side: TargetSide, proposer: Proposer, n: int, layer_ids=None) -> torch.Tensor | None:
     """The next n prompt tokens of `seq` into its cache slot; when that completes the prompt, the logits
     after it ([V], for `commit_first`), else None."""
     dev = side.target.device
@@ -154,7 +206,7 @@ def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> torch.Tens
     return out.logits[0, -1] if last else None
 
 
-def commit_first(seq: SeqState, logits_row: torch.Tensor, proposer) -> list[int]:
+def commit_first(seq: SeqState, logits_row: torch.Tensor, proposer: Proposer) -> list[int]:
     """After the prompt: draw and commit the first token (logits_row [V]); the proposer observes it."""
     tok = first_token(logits_row, seq.sampling, seq.gen)
     seq.res.tokens.append(tok)
@@ -193,7 +245,7 @@ class StepResult:
     verify_s: float = 0.0  # the target forward, acceptance and rollback (timed steps only)
 
 
-def plan_step(rows: Sequence[SeqState], proposer, policy, limit: int | None) -> StepPlan:
+def plan_step(rows: Sequence[SeqState], proposer: Proposer, policy: Policy, limit: int | None) -> StepPlan:
     """Rooms, the skip decision, proposals and verify lengths for these rows: everything but the forward."""
     rooms = [r.room(proposer.block_size, limit) for r in rows]  # [R]
     draft = not proposer.drafter_pass or policy.wants_draft(rows)
@@ -223,45 +275,24 @@ def pad_blocks(blocks: Sequence[torch.Tensor], pad: int = 0) -> tuple[torch.Tens
     return ids, lens
 
 
-def accept(seq: SeqState, proposal: Proposal | None, k: int, logits: torch.Tensor) -> tuple[int, int]:
-    """(accepted drafts n, the target's next token) for the first k drafts of one row; logits [k+1, V].
-    The rule is this module's `accept_rejection`, looked up per call (tests swap in a wrong one)."""
-    drafts = proposal.drafts[:k] if proposal is not None else logits.new_zeros(0, dtype=torch.long)
-    if seq.sampling.greedy:
-        return accept_greedy(drafts, logits)
-    draft_probs = proposal.draft_probs[:k] if proposal is not None else logits[:0]
-    return accept_rejection(drafts, draft_probs, warp_probs(logits, seq.sampling), seq.gen)
-
-
-def accept_rows(plan: StepPlan, logits: torch.Tensor, first_slot: int) -> tuple[list, list, list]:
+def accept_rows(
+    plan: StepPlan, logits: torch.Tensor, first_slot: int, rule=accept_rejection
+) -> tuple[list, list, list]:
     """(n [R], next token [R], error [R]) for every row of the plan; logits [R', S, V] over slots first_slot...
 
-    Greedy rows read one argmax over the whole batch; sampled rows are rejection-sampled one by one with
-    their own generators, in row order (so a row draws exactly what it would alone). A row whose sampling
-    raises gets its exception in `error` (n, token None): it fails alone, the other rows go on."""
-    greedy = [r.sampling.greedy for r in plan.rows]
-    choice = logits.argmax(-1).tolist() if any(greedy) else None  # [R', S] the target's own picks
-    ns, nxts, errors = [], [], []
-    for r, p, k, g in zip(plan.rows, plan.proposals, plan.verify, greedy):
-        i = r.slot - first_slot
-        if g:
-            picks = choice[i]
-            drafts = p.drafts[:k].tolist() if k else []
-            n = 0
-            while n < k and picks[n] == drafts[n]:
-                n += 1
-            ns.append(n)
-            nxts.append(picks[n])
-            errors.append(None)
-        else:
-            try:
-                n, nxt, err = *accept(r, p, k, logits[i, : k + 1]), None
-            except Exception as exc:  # e.g. a distribution torch cannot sample from
-                n, nxt, err = None, None, exc
-            ns.append(n)
-            nxts.append(nxt)
-            errors.append(err)
-    return ns, nxts, errors
+    The plan's drafts flattened for sampling.accept_drafts (greedy and sampled rows in one call, each sampled row
+    with its own generator); rule: the sampled rows' rejection sampler (the reference, unless a test passes one)."""
+    R, S, V = logits.shape
+    drafts, cu, first, draft_probs = [], [0], [], []
+    for r, p, k in zip(plan.rows, plan.proposals, plan.verify):
+        if k:
+            drafts.append(p.drafts[:k])
+        cu.append(cu[-1] + k)
+        first.append((r.slot - first_slot) * S)
+        draft_probs.append(p.draft_probs[:k] if k and not r.sampling.greedy else None)
+    flat = torch.cat(drafts) if drafts else logits.new_zeros(0, dtype=torch.long)  # [N]
+    samplings, gens = [r.sampling for r in plan.rows], [r.gen for r in plan.rows]
+    return accept_drafts(flat, cu, logits.reshape(R * S, V), first, draft_probs, samplings, gens, rule)
 
 
 def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int, cycle: bool = True) -> list[int]:
@@ -283,17 +314,19 @@ def commit(seq: SeqState, proposal: Proposal | None, k: int, n: int, nxt: int, c
 
 def step(
     rows: Sequence[SeqState],
-    proposer,
-    policy,
-    side,
+    proposer: Proposer,
+    policy: Policy,
+    side: TargetSide,
     limit: int | None,
     layer_ids: Sequence[int] | None = None,
     timed: bool = False,
+    rule=accept_rejection,
 ) -> StepResult:
     """One step of every row in `rows` (decoding, in slot order): see the module doc.
 
     side: OneCache (one row) or RowCache; limit: the context no verify block may pass (None: unknown);
-    timed: synchronize the device around the phases and report draft_s / verify_s."""
+    timed: synchronize the device around the phases and report draft_s / verify_s; rule: the sampled rows'
+    rejection sampler (sampling.accept_rejection; a test passes a wrong one)."""
     dev = side.target.device
     t0 = _clock(dev, timed)
     plan = plan_step(rows, proposer, policy, limit)
@@ -307,7 +340,7 @@ def step(
     ids, _ = pad_blocks(blocks)  # [R', S]
     feats = proposer.needs_features
     out = side.forward(ids, num_new, start=lo, layer_ids=layer_ids, with_features=feats)  # logits [R', S, V]
-    accepted, nxts, errors = accept_rows(plan, out.logits, lo)
+    accepted, nxts, errors = accept_rows(plan, out.logits, lo, rule)
     for r, n in zip(plan.rows, accepted):  # keep the context, the anchor and the accepted drafts
         side.set_length(r.slot, r.committed_len + (n or 0))
     t2 = _clock(dev, timed)

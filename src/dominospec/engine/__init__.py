@@ -5,7 +5,7 @@ engine.py   Engine: admission, chunked prefill, the shared step (decode/step.py)
 memory.py   whether max_batch slot caches fit in free memory, checked before they are allocated
 """
 
-from .engine import POLICIES, Engine
+from .engine import Engine
 from .request import EngineFull, EngineRequest, RequestHandle, RequestResult
 
-__all__ = ["Engine", "EngineRequest", "RequestHandle", "RequestResult", "EngineFull", "POLICIES"]
+__all__ = ["Engine", "EngineRequest", "RequestHandle", "RequestResult", "EngineFull"]

@@ -24,16 +24,14 @@ from collections import deque
 
 import torch
 
-from ..decode.proposers import make_proposer
-from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, check_verify_mode
-from ..decode.step import RowCache, SeqState, commit_first, make_generator, prefill, step
+from ..decode.schedule import DEFAULT_THRESHOLD
+from ..decode.step import RowCache, SeqState, check_request, commit_first, make_generator, prefill, step
 from ..devices import release_openmp_workers
 from ..errors import DominoError
-from ..tune.policy import make_policy
+from ..tune.spec import DRAFTS, SpecConfig, bind, build, parse_spec
 from .memory import check_slots_fit
 from .request import EngineFull, EngineRequest, RequestHandle, RequestResult
 
-POLICIES = tuple(VERIFY_MODES)
 DEFAULT_MAX_LEN = 2048
 
 
@@ -52,8 +50,9 @@ class Engine:
         target,
         drafter=None,
         *,
+        spec: SpecConfig | None = None,
         lookup: bool = False,
-        policy: str = "plain",
+        policy: str | None = None,
         block_size: int | None = None,
         max_batch: int = 8,
         max_queue: int = 64,
@@ -62,15 +61,28 @@ class Engine:
         costs=None,
         threshold: float | None = None,
     ):
-        check_verify_mode(policy, "engine policy")
+        """spec: the decoding configuration (tune/spec.py); without it, one is parsed from drafter (a Drafter),
+        lookup, policy (a verify mode, or "plain"), block_size and threshold by the engine's row of
+        SURFACE_DEFAULTS. costs: a cost table to use instead of the device profile."""
         if max_batch < 1 or max_queue < 0 or prefill_chunk < 1:
             raise DominoError(
                 f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be >= 1, "
                 f"max_queue ({max_queue}) >= 0"
             )
-        if policy != "plain" and drafter is None and not lookup:
-            raise DominoError(f"engine policy {policy!r} drafts: give a drafter, lookup=True, or both")
-        self.target, self.drafter, self.policy_name = target, drafter if policy != "plain" else None, policy
+        if spec is None:
+            plain = policy == "plain"
+            spec = parse_spec(
+                "engine",
+                drafter="none" if plain else drafter if drafter is not None else "lookup" if lookup else "none",
+                lookup=lookup,
+                verify=None if plain else policy,
+                block_size=block_size,
+                threshold=DEFAULT_THRESHOLD if threshold is None else threshold,
+                flags=False,
+            )
+        self.spec = spec = bind(spec, target)
+        self.target, self.policy_name = target, spec.verify or "plain"
+        self.drafter = spec.drafter if spec.proposer in DRAFTS else None
         limit = target.max_positions
         self.max_len = int(max_len or min(limit or DEFAULT_MAX_LEN, DEFAULT_MAX_LEN))
         if limit is not None and self.max_len > limit:
@@ -79,32 +91,13 @@ class Engine:
         check_slots_fit(target, self.drafter, max_batch, self.max_len)  # before allocating: say what fits
         self.side = RowCache(target, max_batch, self.max_len)  # DominoError without target.supports_rows
         self.cache = self.side.cache
-        self.use_lookup = lookup and policy != "plain"
-        self.proposer = make_proposer(
-            self.drafter,
-            self.use_lookup,
-            block_size,
-            max_batch,
-            self.max_len,
-            vocab_size=target.vocab_size,
-            device=target.device,
-        )
+        self.proposer, self.policy = build(spec, target, rows=max_batch, max_len=self.max_len, costs=costs)
         self.block_size = self.proposer.block_size
         if self.max_len < self.block_size + 3:  # a prompt token, the anchor, the drafts and one more
             raise DominoError(
                 f"engine max_len {self.max_len} leaves no room for a request: a cycle needs a prompt token, the "
                 f"anchor and {self.block_size} draft positions ({self.block_size + 3} positions at least)"
             )
-        self.policy = make_policy(
-            policy,
-            self.drafter,
-            target,
-            threshold=DEFAULT_THRESHOLD if threshold is None else threshold,
-            costs=costs,
-            block_size=self.block_size or None,
-            lookup=self.use_lookup,
-            rows=max_batch,
-        )
         self.layers = self.drafter.config.target_layer_ids if self.drafter is not None else None
 
         self._lock = threading.Condition()
@@ -124,15 +117,7 @@ class Engine:
     def submit(self, req: EngineRequest) -> RequestHandle:
         """Queue a request (thread-safe). DominoError for a bad one, EngineFull when the queue is full."""
         prompt = [int(t) for t in req.prompt_ids]
-        if not prompt:
-            raise DominoError("the prompt is empty (0 tokens)")
-        vocab = self.target.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise DominoError(f"prompt token id {bad[0]} is outside the target's vocabulary of {vocab}")
-        if int(req.max_new_tokens) < 1:
-            raise DominoError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
-        if len(prompt) + int(req.max_new_tokens) > self.context:
+        if check_request(prompt, int(req.max_new_tokens), self.target.vocab_size, self.context, cap=False).refused:
             extra = f" + {self.block_size} draft positions" if self.block_size else ""
             raise DominoError(
                 f"the prompt ({len(prompt)} tokens) + max_new_tokens ({req.max_new_tokens}){extra} + 1 "

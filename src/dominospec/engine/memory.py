@@ -15,8 +15,7 @@ def kv_bytes(layers: int, kv_heads: int, head_dim: int, positions: int, dtype) -
 
 def slot_bytes_needed(target, drafter, max_len: int) -> int:
     """What one slot preallocates: the target's cache row, plus the drafter's when it drafts."""
-    cfg = target.native.cfg
-    n = kv_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, target.native.dtype)
+    n = target.row_bytes_per_position * max_len
     if drafter is not None:
         c = drafter.config
         n += kv_bytes(len(drafter.layers), c.num_key_value_heads, c.head_dim, max_len, drafter.dtype)
@@ -27,7 +26,7 @@ def slot_bytes_needed(target, drafter, max_len: int) -> int:
 
 def check_slots_fit(target, drafter, max_batch: int, max_len: int) -> None:
     """Refuse, naming what fits, a max_batch x max_len whose caches exceed the memory available now."""
-    if getattr(target, "native", None) is None:
+    if not target.supports_rows:
         return  # the transformers backend is refused by new_row_cache, with its own message
     free = available_bytes(target.device)
     if free is None:

@@ -5,7 +5,7 @@
 
 transformers (5.x) prepares the call as usual (generation config, EOS, max_length, logits processors,
 stopping criteria) and hands the decoding loop to `domino_generate`, with the extra keyword
-arguments it declares (drafter, verify, block_size, seed, backend). Here the prepared objects are
+arguments it declares (drafter, lookup, verify, block_size, seed, backend). Here the prepared objects are
 mapped onto dominospec's batch-1 loops; what has no faithful mapping is refused by name, never
 silently ignored. `write_custom_generate` writes DIR/custom_generate/generate.py so that
 `custom_generate="DIR", trust_remote_code=True` does the same by path.
@@ -26,13 +26,12 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..decode import PromptLookup, generate_autoregressive, generate_speculative
-from ..decode.schedule import DRAFT_MODES
 from ..drafter import Drafter
 from ..drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from ..errors import DominoError
@@ -41,9 +40,8 @@ from ..log import log
 from ..sampling import SamplingConfig
 from ..targets import Target
 from ..targets.hf import BACKENDS
-from ..tune.policy import make_policy
+from ..tune.spec import LOOKUP, SpecConfig, bind, parse_spec, run_spec
 
-LOOKUP = "lookup"  # drafter="lookup": prompt lookup alone, no trained drafter
 WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper")  # what SamplingConfig expresses
 REFUSED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
@@ -94,20 +92,17 @@ def target_for(model: nn.Module, backend: str = "auto") -> Target:
     return target
 
 
-def _resolve_drafter(model, target: Target, drafter) -> tuple[Drafter | None, PromptLookup | None]:
-    if drafter is None:
-        return None, None
-    if isinstance(drafter, str) and drafter == LOOKUP:
-        return None, PromptLookup()
-    if isinstance(drafter, Drafter):
-        return drafter.attach(target), None  # cheap: checks the fit, borrows the tables
+def _drafter_word(model, drafter):
+    """drafter= as parse_spec reads it: a directory is loaded once per model (again when retrained), unattached."""
+    if drafter is None or isinstance(drafter, Drafter) or (isinstance(drafter, str) and drafter == LOOKUP):
+        return drafter
     if isinstance(drafter, (str, os.PathLike)):
         weights = Path(drafter).resolve() / WEIGHTS_NAME
         key = (str(weights), weights.stat().st_mtime_ns if weights.exists() else None)  # retrained: reload
         loaded = _DRAFTERS.setdefault(model, {})
         if key not in loaded:
-            loaded[key] = Drafter.from_pretrained(drafter, target=target)
-        return loaded[key].attach(target), None
+            loaded[key] = Drafter.from_pretrained(drafter)
+        return loaded[key]
     raise UnsupportedSetting(
         f"drafter={drafter!r}: give a drafter directory, a dominospec Drafter, or {LOOKUP!r} (prompt lookup)"
     )
@@ -116,16 +111,22 @@ def _resolve_drafter(model, target: Target, drafter) -> tuple[Drafter | None, Pr
 # ----- the generate() settings, mapped or refused -----
 
 
-def _check_own_arguments(verify, backend, block_size, seed) -> None:
-    """domino_generate's own keyword arguments, named as the caller wrote them (not as CLI flags)."""
-    if verify not in DRAFT_MODES:
-        raise UnsupportedSetting(f"verify={verify!r}: choose from {', '.join(map(repr, DRAFT_MODES))}")
+def _spec(model, drafter, lookup, verify, block_size, seed, backend) -> SpecConfig:
+    """domino_generate's own keyword arguments, parsed by the one parser (tune/spec.py, the hook's row of
+    SURFACE_DEFAULTS) and named as the caller wrote them (not as CLI flags)."""
     if backend not in BACKENDS:
         raise UnsupportedSetting(f"backend={backend!r}: choose from {', '.join(map(repr, BACKENDS))}")
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
-        raise UnsupportedSetting(f"block_size={block_size!r}: a positive integer, or None for the drafter's")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise UnsupportedSetting(f"seed={seed!r}: an integer, or None")
+    try:
+        word = _drafter_word(model, drafter)
+        return parse_spec(
+            "hook", drafter=word, lookup=lookup, verify=verify, block_size=block_size, seed=seed, flags=False
+        )
+    except UnsupportedSetting:
+        raise
+    except DominoError as exc:
+        raise UnsupportedSetting(str(exc)) from None
 
 
 def _check_generation_config(gc, model_kwargs: dict) -> None:
@@ -236,17 +237,19 @@ def domino_generate(
     generation_config=None,
     streamer=None,
     drafter=None,
-    verify: str = "fixed",
+    verify: str | None = None,
     block_size: int | None = None,
     seed: int | None = None,
     backend: str = "auto",
+    lookup: bool | None = None,
     **model_kwargs,
 ):
     """The decoding loop for `model.generate(..., custom_generate=domino_generate)`.
 
     drafter: a drafter directory, a dominospec Drafter, "lookup" (prompt lookup), or None (plain decoding
-    on dominospec's path). verify: a mode of decode/schedule.py VERIFY_MODES (see `dominospec generate --help`;
-    fixed by default here: a caller passing a drafter gets no device measurement on its first call). block_size:
+    on dominospec's path); lookup=True runs a drafter with prompt lookup (the hybrid). verify: a mode of
+    decode/schedule.py VERIFY_MODES (see `dominospec generate --help`; fixed by default here: a caller passing
+    a drafter gets no device measurement on its first call; tune/spec.py SURFACE_DEFAULTS). block_size:
     drafts per cycle (default: the drafter's). seed: the sampling seed (default: drawn from torch's global
     generator, so torch.manual_seed makes a sampled call repeatable). backend: auto | native | hf.
     Returns [1, prompt + new] ids, or a GenerateDecoderOnlyOutput when return_dict_in_generate.
@@ -255,7 +258,7 @@ def domino_generate(
 
     gc = generation_config if generation_config is not None else model.generation_config
     streamer = streamer if streamer is not None else _caller_streamer()
-    _check_own_arguments(verify, backend, block_size, seed)
+    spec = _spec(model, drafter, lookup, verify, block_size, seed, backend)
     _check_generation_config(gc, model_kwargs)
     prompt = _prompt_ids(input_ids, model_kwargs.get("attention_mask"))
     sampling = sampling_from(gc, logits_processor)
@@ -265,9 +268,9 @@ def domino_generate(
     if max_new < 1:
         raise UnsupportedSetting(f"max_length {input_ids.shape[1] + max_new} leaves no room after the prompt")
     if seed is None and not sampling.greedy:
-        seed = int(torch.randint(0, 2**62, (1,)))
+        spec = replace(spec, seed=int(torch.randint(0, 2**62, (1,))))
     target = target_for(model, backend)
-    draft, lookup = _resolve_drafter(model, target, drafter)
+    spec = bind(spec, target)  # cheap for a loaded drafter: checks the fit, borrows the tables
 
     new: list[int] = []
 
@@ -285,23 +288,7 @@ def domino_generate(
 
     result = None
     try:
-        if draft is None and lookup is None:
-            result = generate_autoregressive(target, prompt, max_new, sampling, seed, eos_ids=eos, on_tokens=on_tokens)
-        else:
-            policy = make_policy(verify, draft, target, block_size=block_size, lookup=lookup is not None)
-            result = generate_speculative(
-                target,
-                draft,
-                prompt,
-                max_new,
-                sampling,
-                seed,
-                block_size=block_size,
-                eos_ids=eos,
-                on_tokens=on_tokens,
-                verify=policy,
-                lookup=lookup,
-            )
+        result = run_spec(spec, target, prompt, max_new, sampling, eos_ids=eos, on_tokens=on_tokens)
     except _Stop:
         pass
     finally:

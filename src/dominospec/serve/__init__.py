@@ -1,4 +1,4 @@
-"""Serving: an OpenAI-compatible HTTP server over the batched engine, its playground page, and a load test.
+"""Serving: an OpenAI-compatible HTTP server over the batched engine and its playground page.
 
 protocol.py  the request bodies accepted, the options refused, the error body
 text.py      incremental detokenization, cut at stop strings
@@ -7,7 +7,6 @@ metrics.py   Prometheus metrics (requests, tokens, queue, tau, acceptance, TTFT/
 app.py       the FastAPI app: validation, submission, responses and server-sent events
 server.py    uvicorn with a drain on SIGTERM
 playground/  the page at / (index.html, playground.js, playground.css): static, no build step
-loadtest.py  closed-loop streaming clients against a running server, with a fault round
 """
 
 from .app import LOOPBACK_HOSTS, Gate, ServeConfig, create_app

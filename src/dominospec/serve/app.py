@@ -35,8 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import EngineFull, EngineRequest, RequestResult
 from ..errors import DominoError
 from ..log import log
-from ..sampling import SamplingConfig
-from ..targets.context import MIN_ANSWER_TOKENS
+from ..targets.context import MIN_ANSWER_TOKENS, fit_request
 from .marks import marked_pieces, spec_metrics
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_body
@@ -209,18 +208,9 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
             )
         max_new = fit_budget(len(prompt_ids), req.token_budget(), context, "messages" if kind == "chat" else "prompt")
         stops = req.stop_strings()
-        temperature = 1.0 if req.temperature is None else req.temperature
-        sampling = SamplingConfig(temperature, req.top_k or 0, 1.0 if req.top_p is None else req.top_p)
-        ereq = EngineRequest(
-            prompt_ids=prompt_ids,
-            max_new_tokens=max_new,
-            sampling=sampling,
-            seed=req.seed,
-            eos_ids=[] if req.ignore_eos else None,
-            marks=True,
-            speculative=req.speculative,
+        gen = Generation.submit(
+            engine, req.engine_request(prompt_ids, max_new), gate, config, asyncio.get_running_loop()
         )
-        gen = Generation.submit(engine, ereq, gate, config, asyncio.get_running_loop())
         metrics.prompt_tokens.inc(len(prompt_ids))
         text = TextStream(target.decode, stops)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -259,10 +249,11 @@ def request_context(engine, target) -> int | None:
 
 def check_chars(chars: int, asked: int | None, context: int | None, token_chars: int | None, param: str) -> None:
     """Refuse, before tokenizing it, a prompt whose character count alone cannot fit the context: no
-    token covers more than `token_chars` characters (targets/context.py)."""
+    token covers more than `token_chars` characters (targets/context.py fit_request)."""
     if context is None or not token_chars:
         return
-    if asked is not None and asked >= context:
+    fit = fit_request(chars, asked, context, token_chars=token_chars)
+    if fit.refused == "max_tokens":
         raise APIError(
             400,
             f"this server's context is {context} tokens per request, but max_tokens asks for {asked} (and the "
@@ -270,8 +261,8 @@ def check_chars(chars: int, asked: int | None, context: int | None, token_chars:
             param="max_tokens",
             code="context_length_exceeded",
         )
-    room = context - (asked if asked is not None else MIN_ANSWER_TOKENS)
-    if chars > room * token_chars:
+    if fit.why == "full":
+        room = context - (asked if asked is not None else MIN_ANSWER_TOKENS)
         raise APIError(
             400,
             f"the prompt has {chars} characters; this server's context of {context} tokens per request leaves "
@@ -293,23 +284,21 @@ def check_model(name: str | None, served: str) -> None:
 
 
 def fit_budget(prompt_len: int, asked: int | None, context: int | None, prompt_param: str = "prompt") -> int:
-    """Tokens to generate: what was asked, or what the context leaves; a 400 naming the counts when it does not fit."""
-    if prompt_len == 0:
+    """Tokens to generate (targets/context.py fit_request): what was asked, or what the context leaves; a 400
+    naming the counts when it does not fit."""
+    fit = fit_request(prompt_len, asked, context)
+    if fit.why == "empty":
         raise APIError(400, "the prompt is empty (0 tokens)", param=prompt_param)
-    if context is None:
-        return asked if asked is not None else 1024
-    if asked is None:
-        if prompt_len + MIN_ANSWER_TOKENS > context:
-            raise APIError(
-                400,
-                f"the prompt has {prompt_len} tokens; this server's context of {context} tokens per request "
-                f"takes prompts of at most {context - MIN_ANSWER_TOKENS} tokens "
-                f"(room for a {MIN_ANSWER_TOKENS}-token answer)",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        return context - prompt_len
-    if prompt_len + asked > context:
+    if fit.why == "full":
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; this server's context of {context} tokens per request "
+            f"takes prompts of at most {context - MIN_ANSWER_TOKENS} tokens "
+            f"(room for a {MIN_ANSWER_TOKENS}-token answer)",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if fit.refused is not None:
         raise APIError(
             400,
             f"this server's context is {context} tokens per request, but {prompt_len + asked} were requested "
@@ -317,7 +306,7 @@ def fit_budget(prompt_len: int, asked: int | None, context: int | None, prompt_p
             param="max_tokens",
             code="context_length_exceeded",
         )
-    return asked
+    return fit.budget
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

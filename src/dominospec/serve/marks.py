@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..decode.result import SOURCES
+from ..decode.result import SOURCES, tokens_per_cycle
 
 
 def cycle_acceptance(sources: Sequence[str]) -> list[int]:
@@ -38,13 +38,16 @@ def spec_metrics(sources: Sequence[str], verified: Sequence[int]) -> dict:
     """
     accepted = cycle_acceptance(sources)
     cycles = len(accepted)
+    committed = [a + 1 for a in accepted]  # each cycle's tokens: its accepted drafts and the target's token
+    if sources and sources[-1] != "target":
+        committed[-1] -= 1  # a cycle cut inside its drafts lacks its target token
     drafted = sum(verified[:cycles])
     block = max([*verified[:cycles], *accepted, 0])
     return {
         "cycles": cycles,  # target forward passes that gave the answer tokens, the prompt's included
         "drafted": drafted,  # drafts the target checked in those cycles
         "accepted": sum(accepted),  # accepted drafts in the answer
-        "tau": len(sources) / cycles if cycles else None,  # answer tokens per cycle
+        "tau": tokens_per_cycle(committed) if cycles else None,  # answer tokens per cycle
         "accepted_by_position": [sum(a >= k for a in accepted) for k in range(1, block + 1)],
         "source_counts": {name: sum(s == name for s in sources) for name in SOURCES},
     }

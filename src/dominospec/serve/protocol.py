@@ -11,6 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engine import EngineRequest
+from ..sampling import SamplingConfig
+
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 512  # the longest stop string: what a stream holds back while a stop may be forming
 MAX_SEED = 2**63 - 1
@@ -84,6 +87,20 @@ class _Sampling(_Strict):
                 400, f"a stop string has {longest} characters; at most {MAX_STOP_CHARS} are allowed", param="stop"
             )
         return stops
+
+    def engine_request(self, prompt_ids: list[int], max_new_tokens: int) -> EngineRequest:
+        """This body as the engine's request (a new field reaches the engine here and in EngineRequest only):
+        OpenAI's defaults where a field is absent (temperature 1, top_p 1), every token with its source."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        return EngineRequest(
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingConfig(temperature, self.top_k or 0, 1.0 if self.top_p is None else self.top_p),
+            seed=self.seed,
+            eos_ids=[] if self.ignore_eos else None,
+            marks=True,
+            speculative=self.speculative,
+        )
 
 
 class TextPart(_Strict):

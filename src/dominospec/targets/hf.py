@@ -150,6 +150,19 @@ class Target:
         set_row_length): the native backend does, transformers' does not."""
         return self.native is not None
 
+    @property
+    def row_bytes_per_position(self) -> int:
+        """Bytes one position of one row of `new_row_cache` holds (K and V over every layer); 0 without rows."""
+        if self.native is None:
+            return 0
+        cfg = self.native.cfg
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.native.dtype.itemsize
+
+    @property
+    def row_logits_dtype(self) -> torch.dtype:
+        """The dtype of the logits `forward_rows` returns (what a buffer of next-token logits should hold)."""
+        return self.native.dtype if self.native is not None else self.dtype
+
     def backend_state(self) -> tuple:
         """An opaque handle on this target's forward (its packed native weights, or why it has none); it
         holds weights, never the model. `use_backend_state` lets another wrapper of the same model reuse it."""
@@ -288,10 +301,7 @@ class Target:
             return self.native.new_cache(batch=1, max_len=max_len)
         from transformers import DynamicCache
 
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # transformers < 4.56
-            return DynamicCache()
+        return DynamicCache(config=self.model.config)
 
     def cache_length(self, cache) -> int:
         if isinstance(cache, KVCache):

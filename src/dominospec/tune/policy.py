@@ -74,7 +74,7 @@ def make_policy(
     """
     check_verify_mode(mode)
     check_threshold(threshold)
-    if mode in ("plain", "fixed"):
+    if mode == "fixed":
         return VerifyPolicy()
     if drafter is None and not lookup:
         raise DominoError(
