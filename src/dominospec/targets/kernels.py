@@ -1,14 +1,17 @@
-"""The small-M linear kernel (small_m_linear.cpp): built once per machine, loaded at first use.
+"""The CPU kernels (cpu_kernels/: the small-row linear, attention, the fused decoder layers): built once per
+machine, loaded at first use.
 
 Why: decode multiplies 1 row and verify 2-17 rows by every weight of the model. Library GEMMs
 either stream the weights slower for 2+ rows than a GEMV does for one, or re-pack W on every call;
-this kernel packs W once into panels and streams it once for all rows (see the .cpp file), so a
+this kernel packs W once into panels and streams it once for all rows (cpu_kernels/linear.cpp), so a
 verify pass of a few rows costs about what a decode step costs. Panels hold fp32, bf16 or int8
 weights (quant.py: --dtype bfloat16 / int8 on CPU); activations and sums are fp32 in every format.
 
+The sources are split by concern (simd.h, one format_*.h per weight format, pack.cpp, linear.cpp,
+attention.cpp, decoder_layers.cpp); module.cpp binds them and states the Python <-> C++ contract once.
 The extension is compiled with torch.utils.cpp_extension (-O3 -march=native) into
-<cache>/kernels/<key>, the key covering the source, torch's version and the CPU's flags, and a
-later process imports the built library directly. Without a compiler (or with
+<cache>/kernels/cpu_kernels_<key>, the key covering every source file, torch's version and the CPU's
+flags, and a later process imports the built library directly. Without a compiler (or with
 DOMINOSPEC_KERNELS=off) `load_kernels()` returns None and `Linear` keeps its library paths.
 """
 
@@ -28,7 +31,7 @@ import torch
 from ..io import cache_dir
 from ..log import log, log_once
 
-SOURCE = Path(__file__).with_name("small_m_linear.cpp")
+SOURCES = Path(__file__).with_name("cpu_kernels")  # the C++ sources: *.cpp compiled, *.h included
 ENV_SWITCH = "DOMINOSPEC_KERNELS"  # "off": today's library paths only (for A/B runs)
 
 _loaded: dict[str, object] = {}  # "module" -> the extension, or None once a build was refused/failed
@@ -50,16 +53,21 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def build_key() -> str:
-    """What a built kernel is valid for: its source, this torch, this CPU's instruction sets (once a process)."""
+    """What a built kernel is valid for: every source file, this torch, this CPU's instruction sets (once a process)."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), platform.machine().encode()):
+    sources = [f.name.encode() + b"\0" + f.read_bytes() for f in _source_files()]
+    for part in (*sources, torch.__version__.encode(), _cpu_flags().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
+def _source_files() -> list[Path]:
+    return sorted(f for f in SOURCES.iterdir() if f.suffix in (".cpp", ".h"))
+
+
 def kernel_dir() -> Path:
-    return cache_dir() / "kernels" / f"small_m_linear_{build_key()}"
+    return cache_dir() / "kernels" / f"cpu_kernels_{build_key()}"
 
 
 def _import_built(name: str, directory: Path):
@@ -83,10 +91,10 @@ def _build(name: str, directory: Path):
     directory.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
     t0 = time.perf_counter()
-    log(f"building the small-M linear kernel into {directory} (once per machine and torch version)")
+    log(f"building the CPU kernels into {directory} (once per machine and torch version)")
     module = cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(f) for f in _source_files() if f.suffix == ".cpp"],
         build_directory=str(directory),
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
@@ -97,21 +105,21 @@ def _build(name: str, directory: Path):
 
 
 def load_kernels():
-    """The compiled extension (module with pack/linear/panel_width), or None where it cannot be had."""
+    """The compiled extension (its functions: cpu_kernels/module.cpp), or None where it cannot be had."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None
     if not kernels_enabled():
         pass
     elif platform.system() != "Linux" or shutil.which(os.environ.get("CXX", "c++")) is None:
-        log_once("no C++ compiler found (or not Linux): the small-M linear kernel is off; library GEMMs are used")
+        log_once("no C++ compiler found (or not Linux): the CPU kernels are off; library GEMMs are used")
     else:
         directory = kernel_dir()
-        name = f"dominospec_small_m_{build_key()}"
+        name = f"dominospec_cpu_kernels_{build_key()}"
         try:
             module = _import_built(name, directory) or _build(name, directory)
         except Exception as exc:  # a broken toolchain must not stop decoding: fall back to the library paths
-            log_once(f"the small-M linear kernel did not build ({type(exc).__name__}: {exc}); library GEMMs are used")
+            log_once(f"the CPU kernels did not build ({type(exc).__name__}: {exc}); library GEMMs are used")
             module = None
     _loaded["module"] = module
     return module

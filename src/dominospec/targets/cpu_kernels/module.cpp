@@ -1,0 +1,38 @@
+// The Python binding of the CPU kernels (kernels.py builds this directory into one extension per source hash,
+// CPU flags and torch version, and PackedLinear / native.py / drafter/fast.py call it).
+//
+// The contract, stated once for both sides:
+//   pack(W [N, K] float32, format) -> panels. format "float32" | "bfloat16" -> [P, K, NR] of that dtype;
+//     "int8" -> [P, K, NR] int8 (W must hold integers -128..127; scales packed separately as float32 panels);
+//     "bfloat16_pairs" -> [P, ceil(K / 2), NR, 2] bfloat16. P = ceil(N / NR), NR = panel_width(); padded
+//     columns are zero.
+//   linear(x [M, K] float32 contiguous, panels, bias [N] | None, scale | None, group, N) -> y [M, N] float32:
+//     y = x @ W^T + b. int8 panels need scale [P, ceil(K / group), 2, NR] float32 (per padded column and group
+//     of `group` k: its scale, then its offset; W = scale * q + offset). A row's result never depends on the
+//     other rows of the call (decode = verify = engine batch, bit for bit).
+//   linear_silu_mul(gate_up [M, 2I], ...) = linear(silu(gate) * up, ...), the same arguments after the first.
+//   rope(x [B, S, >= heads, D], cos, sin [1 or B, S, D] (rotate_half's sign folded into sin), heads) ->
+//     [B, S, heads, D]; attend(q [B, S, Hq, D], k, v [B, Hkv, L, D] caches, starts [B] int64, scale) ->
+//     [B, S, Hq, D], query j of row b reading keys 0..starts[b] + j, each query alone in a fixed order.
+//   DecoderLayers(tensors, ints, hq, hkv, d, eps, scale).run(x, k_cache, v_cache, cos, sin, starts, keep):
+//     every layer of a decode- or verify-sized forward in one call (decoder_layers.h says the layout).
+//   has_bf16_dot(): whether this build has "bfloat16_pairs" (AVX512-BF16).
+
+#include <torch/extension.h>
+
+#include "decoder_layers.h"
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace dominospec;
+  m.def("pack", &pack);
+  m.def("linear", &linear);
+  m.def("linear_silu_mul", &linear_silu_mul);
+  m.def("rope", &rope);
+  m.def("attend", &attend);
+  m.def("panel_width", &panel_width);
+  m.def("has_bf16_dot", &has_bf16_dot);
+  py::class_<DecoderLayers>(m, "DecoderLayers", py::module_local())  // builds of other sources may share a process
+      .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, int64_t, double, double>())
+      .def("run", &DecoderLayers::run, py::call_guard<py::gil_scoped_release>());  // a server's threads run meanwhile
+}
