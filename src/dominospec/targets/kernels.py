@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import DominoError
 from ..io import cache_dir
 from ..log import log, log_once
 
@@ -161,20 +162,48 @@ def bf16_dot_available(module) -> bool:
     return True
 
 
+INT8_DOT_PATH = "DOMINOSPEC_INT8_DOT_PATH"  # auto, avx512-vnni or avx2: which instructions run int8-dot
+
+
+def int8_dot_available(module) -> bool:
+    """This build has an int8-dot path (AVX512-VNNI or AVX2), the one DOMINOSPEC_INT8_DOT_PATH names if it names one."""
+    paths = list(module.int8_dot_paths())
+    choice = os.environ.get(INT8_DOT_PATH, "auto").strip().lower()
+    if choice not in ("", "auto"):
+        if choice not in paths:
+            raise DominoError(
+                f"{INT8_DOT_PATH}={choice}: this CPU's build has {', '.join(paths) or 'no int8-dot path'}"
+            )
+        module.set_int8_dot_path(choice)
+    elif paths:
+        module.set_int8_dot_path(paths[0])
+    return bool(paths)
+
+
 def kernel_format(module, weight_format: str) -> str:
-    """The panel layout a weight format packs into: float32, bfloat16, bfloat16_pairs (dot product) or int8."""
+    """The panel layout a weight format packs into: float32, bfloat16, int8, bfloat16_pairs (bfloat16-dot, or
+    bfloat16 with DOMINOSPEC_BF16_DOT=on) or int8_quads (int8-dot). A dot format the CPU lacks is refused."""
     if weight_format == "bfloat16" and bf16_dot_available(module):
         return "bfloat16_pairs"
+    if weight_format == "bfloat16-dot":
+        if not module.has_bf16_dot():
+            raise DominoError("bfloat16-dot runs on AVX512-BF16's dot product, which this CPU does not have")
+        return "bfloat16_pairs"
+    if weight_format == "int8-dot":
+        if not int8_dot_available(module):
+            raise DominoError("int8-dot runs on AVX512-VNNI or AVX2 integer dot products; this CPU has neither")
+        return "int8_quads"
     return weight_format
 
 
 class PackedLinear:
     """W packed into the kernel's panels once; y = x @ W^T + b for x [..., K] with few rows.
 
-    weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes) or int8
+    weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes), int8
     (quant.quantize_int8: a quarter of the bytes, plus an fp32 scale and offset per column and
-    INT8_GROUP inputs).
-    Activations and accumulation stay fp32 (bf16 dot product: activations rounded to bf16 too).
+    INT8_GROUP inputs), or the dot-product formats bfloat16-dot / int8-dot (the same weights;
+    activations rounded to bf16, or quantised per row to int8 in blocks of INT8_GROUP, by the kernel).
+    Activations and accumulation stay fp32 otherwise. The C++ side of this contract: cpu_kernels/module.cpp.
     """
 
     def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str = "float32"):
@@ -184,12 +213,14 @@ class PackedLinear:
         self.out_features = weight.shape[0]
         self.format = kernel_format(module, weight_format)
         w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
-        if self.format == "int8":
+        if self.format in ("int8", "int8_quads"):
             q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
             w, self.group = q.float(), INT8_GROUP
             # [P, G, 2, NR]: per panel and group, its columns' scales, then their offsets
             self.scale = torch.stack([module.pack(scale, "float32"), module.pack(offset, "float32")], dim=2)
-        self.panels = module.pack(w, self.format)  # [ceil(N / NR), K, NR] (pairs: [.., ceil(K / 2), NR, 2])
+        self.panels = module.pack(
+            w, self.format
+        )  # [ceil(N / NR), K, NR] (pairs / quads: [.., ceil(K / 2 or 4), NR, 2 or 4])
         self.bias = None if bias is None else bias.detach().contiguous()
 
     @property

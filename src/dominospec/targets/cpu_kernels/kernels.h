@@ -5,11 +5,15 @@
 #include <torch/types.h>
 
 #include <string>
+#include <vector>
 
 namespace dominospec {
 
 int64_t panel_width();
 bool has_bf16_dot();
+std::vector<std::string> int8_dot_paths();
+void set_int8_dot_path(const std::string& path);
+std::string int8_dot_path();
 torch::Tensor pack(const torch::Tensor& weight, const std::string& format);
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scale, int64_t group, int64_t N);

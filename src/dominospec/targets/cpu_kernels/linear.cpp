@@ -8,11 +8,15 @@
 #include "format_bf16_pairs.h"
 #include "format_float.h"
 #include "format_int8.h"
+#include "format_int8_dot.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <cmath>
+#include <string>
+#include <vector>
 #include <type_traits>
 #include <utility>
 
@@ -28,11 +32,16 @@ template <typename X, typename T>
 using PanelFn = void (*)(const X*, int64_t, const T*, int64_t, int64_t, float*, int64_t, int64_t, const float*,
                          const float*, int64_t, const float*, int64_t);
 
-// table[np - 1][R - 1]; np is at most panels_for(R) (a wider entry is never called, so it repeats np = 1)
+// Adjacent panels a group of R rows walks at once in a format of weight type T (int8-dot's uint8: one)
+template <typename T>
+constexpr int panels_at_once(int R) {
+  return std::is_same_v<T, uint8_t> ? 1 : panels_for(R, std::is_same_v<T, int8_t>);
+}
+
+// table[np - 1][R - 1]; np is at most panels_at_once(R) (a wider entry is never called, so it repeats np = 1)
 template <int NT, typename X, typename T, template <int, int> class Kernel, int NP, int... Rs>
 constexpr std::array<PanelFn<X, T>, NT> table_row(std::integer_sequence<int, Rs...>) {
-  constexpr bool i8 = std::is_same_v<T, int8_t>;
-  return {{Kernel<Rs + 1, (NP <= panels_for(Rs + 1, i8) ? NP : 1)>::run...}};
+  return {{Kernel<Rs + 1, (NP <= panels_at_once<T>(Rs + 1) ? NP : 1)>::run...}};
 }
 template <int NT, typename X, typename T, template <int, int> class Kernel, int... Ps>
 constexpr std::array<std::array<PanelFn<X, T>, NT>, NPMAX> make_table(std::integer_sequence<int, Ps...>) {
@@ -70,23 +79,83 @@ struct PanelDot {
 const auto PANELS_DOT = make_table<MR, uint16_t, uint16_t, PanelDot>(NPS);
 #endif
 
+// int8-dot: (xq, ldx, panel, -, K4, y, ldy, ncols, bias, scales and offsets, -, row info, quads a group)
+template <typename Dot>
+struct PanelInt8Dot {
+  template <int R, int NP>
+  struct K {
+    static void run(const int8_t* x, int64_t ldx, const uint8_t* wp, int64_t, int64_t K4, float* y, int64_t ldy,
+                    int64_t ncols, const float* bias, const float* so, int64_t, const float* info, int64_t qg) {
+      panel_int8_dot<Dot, R>(x, ldx, wp, K4, y, ldy, ncols, bias, so, info, qg);
+    }
+  };
+};
+#ifdef DOMINOSPEC_INT8_DOT_VNNI
+const auto PANELS_INT8_DOT_VNNI = make_table<MR_DOT, int8_t, uint8_t, PanelInt8Dot<DotVnni>::K>(NPS);
+#endif
+#ifdef DOMINOSPEC_INT8_DOT_AVX2
+const auto PANELS_INT8_DOT_AVX2 = make_table<MR_DOT, int8_t, uint8_t, PanelInt8Dot<DotAvx2>::K>(NPS);
+#endif
+
+// The int8-dot instructions this build has, best first, and the one linear() uses (set_int8_dot_path)
+std::vector<std::string> int8_dot_builds() {
+  std::vector<std::string> paths;
+#ifdef DOMINOSPEC_INT8_DOT_VNNI
+  paths.push_back("avx512-vnni");
+#endif
+#ifdef DOMINOSPEC_INT8_DOT_AVX2
+  paths.push_back("avx2");
+#endif
+  return paths;
+}
+std::string int8_dot_choice = int8_dot_builds().empty() ? "" : int8_dot_builds()[0];
+
+// Each row of x [M, K] quantised on its own in blocks of `group` k (format_int8_dot.h): xq [M, ldq] int8, k past K
+// zero; info [M, groups, ROW_INFO]. In k order, one row at a time: the same bits whatever M.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, int64_t ldq, float* info) {
+  const int64_t groups = (K + group - 1) / group;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    int8_t* qr = xq + m * ldq;
+    std::fill(qr + K, qr + ldq, int8_t{0});
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
+      float amax = 0.0f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float d = amax / 127.0f;
+      int32_t sum = 0;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float q = d > 0.0f ? std::nearbyint(xr[k] / d) : 0.0f;
+        const int32_t qi = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, q)));
+        qr[k] = static_cast<int8_t>(qi);
+        sum += qi;
+      }
+      float* ri = info + (m * groups + g) * ROW_INFO;
+      ri[0] = d;
+      ri[1] = d * static_cast<float>(sum);
+      ri[2] = 128.0f * static_cast<float>(sum);
+    }
+  }
+}
+
 // Work items: (block of adjacent panels, chunk of at most CHUNK rows), consecutive items sharing a block,
 // so prefill's many rows spread over threads too; each chunk is split into balanced row groups of at
 // most NT rows, and each group walks its block np panels at a time (panels_for, fewer where the threads
 // would otherwise go short of blocks). The row grouping and np change which rows and columns share
 // registers, never the order of any output element's sum.
+// (For int8 and int8-dot, xsum holds info_width floats per row and group.)
 template <typename X, typename T, size_t NT>
 void run_panels(const std::array<std::array<PanelFn<X, T>, NT>, NPMAX>& panels, const X* xp, int64_t ldx,
                 const T* wp, int64_t panel_elems, int64_t Kp, float* yp, int64_t M, int64_t N, int64_t P,
-                const float* b, const float* so = nullptr, const float* xsum = nullptr, int64_t group = 0) {
+                const float* b, const float* so = nullptr, const float* xsum = nullptr, int64_t group = 0,
+                int64_t info_width = 1) {
   const int64_t groups = group > 0 ? (Kp + group - 1) / group : 0;
   const int64_t sstride = groups * 2 * NR;
   const int64_t chunks = (M + CHUNK - 1) / CHUNK;
   const int64_t first_rows = std::min<int64_t>(CHUNK, M), first_groups = (first_rows + NT - 1) / NT;
   const int64_t widest = (first_rows + first_groups - 1) / first_groups;  // rows of the first chunk's widest group
   const int64_t per_thread = std::max<int64_t>(1, P / std::max<int64_t>(1, at::get_num_threads()));
-  constexpr bool i8 = std::is_same_v<T, int8_t>;
-  const int64_t block = std::min<int64_t>(panels_for(static_cast<int>(widest), i8), per_thread);
+  const int64_t block = std::min<int64_t>(panels_at_once<T>(static_cast<int>(widest)), per_thread);
   const int64_t blocks = (P + block - 1) / block;
   at::parallel_for(0, blocks * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -96,13 +165,13 @@ void run_panels(const std::array<std::array<PanelFn<X, T>, NT>, NPMAX>& panels, 
       int64_t m0 = first;
       for (int64_t g = 0; g < row_groups; ++g) {
         const int64_t rows = (first + rows_here - m0) / (row_groups - g);
-        const int64_t step = std::min<int64_t>(panels_for(static_cast<int>(rows), i8), block);
+        const int64_t step = std::min<int64_t>(panels_at_once<T>(static_cast<int>(rows)), block);
         for (int64_t p = p_first; p < p_end; p += step) {
           const int64_t np = std::min(step, p_end - p);
           const int64_t col = p * NR, ncols = std::min<int64_t>(np * NR, N - col);
           panels[np - 1][rows - 1](xp + m0 * ldx, ldx, wp + p * panel_elems, panel_elems, Kp, yp + m0 * N + col, N,
                                    ncols, b ? b + col : nullptr, so ? so + p * sstride : nullptr, sstride,
-                                   xsum ? xsum + m0 * groups : nullptr, group);
+                                   xsum ? xsum + m0 * groups * info_width : nullptr, group);
         }
         m0 += rows;
       }
@@ -113,6 +182,17 @@ void run_panels(const std::array<std::array<PanelFn<X, T>, NT>, NPMAX>& panels, 
 }  // namespace
 
 int64_t panel_width() { return NR; }
+
+std::vector<std::string> int8_dot_paths() { return int8_dot_builds(); }
+
+void set_int8_dot_path(const std::string& path) {
+  const auto paths = int8_dot_builds();
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "int8-dot: this build has no path ", path,
+              paths.empty() ? " (the CPU has neither AVX512-VNNI nor AVX2)" : "");
+  int8_dot_choice = path;
+}
+
+std::string int8_dot_path() { return int8_dot_choice; }
 
 bool has_bf16_dot() {
 #ifdef DOMINOSPEC_BF16_DOT
@@ -127,10 +207,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   // x [M, K] float32 contiguous; packed from pack(); bias [N] or None; int8 only: scale
   // [P, ceil(K / group), 2, NR] float32 (per padded column and group of `group` k: scale, then offset) -> [M, N]
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
-  const bool pairs = packed.dim() == 4;
+  const bool quads = packed.scalar_type() == at::kByte;  // int8-dot
+  const bool pairs = packed.dim() == 4 && !quads;
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.size(2) == NR && packed.is_contiguous(), "packed weight mismatch");
-  TORCH_CHECK(pairs ? (packed.size(1) == (K + 1) / 2 && packed.size(3) == 2) : (packed.dim() == 3 && packed.size(1) == K),
+  TORCH_CHECK(quads   ? (packed.dim() == 4 && packed.size(1) == (K + 3) / 4 && packed.size(3) == 4)
+              : pairs ? (packed.size(1) == (K + 1) / 2 && packed.size(3) == 2)
+                      : (packed.dim() == 3 && packed.size(1) == K),
               "packed weight does not match x's ", K, " columns");
   TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "N does not match the packed panels");
   const float* b = nullptr;
@@ -170,6 +253,27 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   } else if (dtype == at::kBFloat16) {
     const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
     run_panels(PANELS_BF16, xp, K, wp, K * NR, K, yp, M, N, P, b);
+  } else if (dtype == at::kByte) {  // int8-dot: [P, K4, NR, 4] biased int8 in k-quads
+    TORCH_CHECK(s != nullptr && group > 0 && group % QUAD == 0, "int8-dot panels need their scales, groups of 4k k");
+    const int64_t K4 = (K + QUAD - 1) / QUAD, groups = (K + group - 1) / group;
+    TORCH_CHECK(packed.dim() == 4 && packed.size(1) == K4 && packed.size(3) == QUAD, "int8-dot panels mismatch");
+    TORCH_CHECK(!int8_dot_choice.empty(), "int8-dot needs AVX512-VNNI or AVX2; this CPU has neither");
+    auto xq = torch::empty({M, K4 * QUAD}, x.options().dtype(at::kChar));
+    auto info = torch::empty({M, groups, ROW_INFO}, x.options());
+    quantize_rows(xp, M, K, group, xq.data_ptr<int8_t>(), K4 * QUAD, info.data_ptr<float>());
+    const auto* xqp = xq.data_ptr<int8_t>();
+    const auto* wp = packed.data_ptr<uint8_t>();
+    const float* ip = info.data_ptr<float>();
+#ifdef DOMINOSPEC_INT8_DOT_VNNI
+    if (int8_dot_choice == "avx512-vnni")
+      run_panels(PANELS_INT8_DOT_VNNI, xqp, K4 * QUAD, wp, K4 * NR * QUAD, K4, yp, M, N, P, b, s, ip, group / QUAD,
+                 ROW_INFO);
+#endif
+#ifdef DOMINOSPEC_INT8_DOT_AVX2
+    if (int8_dot_choice == "avx2")
+      run_panels(PANELS_INT8_DOT_AVX2, xqp, K4 * QUAD, wp, K4 * NR * QUAD, K4, yp, M, N, P, b, s, ip, group / QUAD,
+                 ROW_INFO);
+#endif
   } else if (dtype == at::kChar) {
     TORCH_CHECK(s != nullptr, "int8 panels need their scales");
     const int64_t groups = (K + group - 1) / group;

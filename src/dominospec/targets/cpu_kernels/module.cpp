@@ -16,9 +16,14 @@
 //     [B, S, Hq, D], query j of row b reading keys 0..starts[b] + j, each query alone in a fixed order.
 //   DecoderLayers(tensors, ints, hq, hkv, d, eps, scale).run(x, k_cache, v_cache, cos, sin, starts, keep):
 //     every layer of a decode- or verify-sized forward in one call (decoder_layers.h says the layout).
-//   has_bf16_dot(): whether this build has "bfloat16_pairs" (AVX512-BF16).
+//     "int8_quads" (int8-dot) -> [P, ceil(K / 4), NR, 4] uint8 holding q + 128; linear() then quantises each row of
+//     x in blocks of `group` k and sums int8 x int8 products in int32 (format_int8_dot.h), scale as for int8.
+//   has_bf16_dot(): whether this build has "bfloat16_pairs" (AVX512-BF16). int8_dot_paths(): the instruction
+//     paths this build has for int8-dot, best first ("avx512-vnni", "avx2"; none: int8-dot is refused);
+//     set_int8_dot_path(name) / int8_dot_path(): the one linear() uses (process-wide; tests force "avx2").
 
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include "decoder_layers.h"
 #include "kernels.h"
@@ -32,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend);
   m.def("panel_width", &panel_width);
   m.def("has_bf16_dot", &has_bf16_dot);
+  m.def("int8_dot_paths", &int8_dot_paths);
+  m.def("set_int8_dot_path", &set_int8_dot_path);
+  m.def("int8_dot_path", &int8_dot_path);
   py::class_<DecoderLayers>(m, "DecoderLayers", py::module_local())  // builds of other sources may share a process
       .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, int64_t, double, double>())
       .def("run", &DecoderLayers::run, py::call_guard<py::gil_scoped_release>());  // a server's threads run meanwhile
