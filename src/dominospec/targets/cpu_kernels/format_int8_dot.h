@@ -32,8 +32,9 @@ namespace dominospec {
 
 constexpr int QUAD = 4;  // k per int32 lane of one dot-product instruction
 constexpr int ROW_INFO = 3;  // per row and block: d, d * sum(qx), 128 * sum(qx)
-// isum and totals: 2 x R x NV registers, plus NV weight vectors and a broadcast
-constexpr int MR_DOT = VREGS == 32 ? 6 : 3;
+// Rows a group: the integer sums take R x NV registers, plus NV weight vectors and a broadcast; the fp32 totals
+// another R x NV up to MR_DOT / 2 rows, beyond that they sit in memory (touched once per group of k)
+constexpr int MR_DOT = VREGS == 32 ? 12 : 4;
 
 // The value never leaves a register through the compiler's view: a product is not fused into the next add.
 inline vf rounded(vf v) {
@@ -84,6 +85,8 @@ void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __r
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+  constexpr bool in_memory = R > MR_DOT / 2;
+  if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   for (int64_t g = 0; g < groups; ++g) {
     vi isum[R][NV];
     for (int r = 0; r < R; ++r)
@@ -116,6 +119,7 @@ void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __r
         acc[r][v] += rounded(og[v] * dsum);
       }
     }
+    if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   }
   store<R>(acc, y, ldy, ncols, bias);
 }

@@ -110,26 +110,61 @@ std::vector<std::string> int8_dot_builds() {
 }
 std::string int8_dot_choice = int8_dot_builds().empty() ? "" : int8_dot_builds()[0];
 
-// Each row of x [M, K] quantised on its own in blocks of `group` k (format_int8_dot.h): xq [M, ldq] int8, k past K
-// zero; info [M, groups, ROW_INFO]. In k order, one row at a time: the same bits whatever M.
+// One block of x quantised (format_int8_dot.h): qx = round-half-even(x / d) for d = max|x| / 127 (0 where d is 0);
+// returns sum(qx). Whole blocks of whole vectors take the vector path; both give the same values (the division is
+// IEEE, and adding then subtracting 1.5 * 2^23 rounds |v| <= 127 to the nearest integer, ties to even, as rint).
+int32_t quantize_block(const float* __restrict x, int64_t n, int8_t* __restrict q, float& d) {
+  float amax = 0.0f;
+  int32_t sum = 0;
+  if (n % VW == 0) {
+    vf m = {};
+    for (int64_t k = 0; k < n; k += VW) {
+      const vf v = load_vf(x + k);
+      const vf a = v < 0 ? -v : v;
+      m = a > m ? a : m;
+    }
+    for (int l = 0; l < VW; ++l) amax = std::max(amax, m[l]);
+    d = amax / 127.0f;
+    if (d == 0.0f) {
+      std::fill(q, q + n, int8_t{0});
+      return 0;
+    }
+    const float magic = 12582912.0f;  // 1.5 * 2^23
+    vi total = {};
+    for (int64_t k = 0; k < n; k += VW) {
+      vf r = (load_vf(x + k) / d + magic) - magic;
+      r = r > 127.0f ? vf{} + 127.0f : r;
+      r = r < -127.0f ? vf{} - 127.0f : r;
+      const vi qi = __builtin_convertvector(r, vi);
+      total += qi;
+      const vb qb = __builtin_convertvector(qi, vb);
+      std::memcpy(q + k, &qb, sizeof(vb));
+    }
+    for (int l = 0; l < VW; ++l) sum += total[l];
+    return sum;
+  }
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  d = amax / 127.0f;
+  for (int64_t k = 0; k < n; ++k) {
+    const float r = d > 0.0f ? std::nearbyint(x[k] / d) : 0.0f;
+    const int32_t qi = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, r)));
+    q[k] = static_cast<int8_t>(qi);
+    sum += qi;
+  }
+  return sum;
+}
+
+// Each row of x [M, K] quantised on its own in blocks of `group` k: xq [M, ldq] int8, k past K zero; info [M, groups,
+// ROW_INFO] (d, d * sum(qx), 128 * sum(qx)). Per row and block: the same bits whatever M.
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, int64_t ldq, float* info) {
   const int64_t groups = (K + group - 1) / group;
   for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
     int8_t* qr = xq + m * ldq;
     std::fill(qr + K, qr + ldq, int8_t{0});
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t k0 = g * group, k1 = std::min(K, k0 + group);
-      float amax = 0.0f;
-      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
-      const float d = amax / 127.0f;
-      int32_t sum = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float q = d > 0.0f ? std::nearbyint(xr[k] / d) : 0.0f;
-        const int32_t qi = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, q)));
-        qr[k] = static_cast<int8_t>(qi);
-        sum += qi;
-      }
+      const int64_t k0 = g * group, n = std::min(K, k0 + group) - k0;
+      float d;
+      const int32_t sum = quantize_block(x + m * K + k0, n, qr + k0, d);
       float* ri = info + (m * groups + g) * ROW_INFO;
       ri[0] = d;
       ri[1] = d * static_cast<float>(sum);
