@@ -9,7 +9,7 @@
 //
 // Per column and group, the integer dot sum(q * qx) is exact in int32, whichever instruction forms it:
 //   - AVX512-VNNI: vpdpbusd multiplies the biased weights (u8) by the activations (s8), four products a lane,
-//     giving sum((q + 128) * qx); the row's 128 * sum(qx) is subtracted (exact in fp32: |sums| < 2^24);
+//     giving sum((q + 128) * qx) onto a start of -128 * sum(qx), the row's correction (exact in int32);
 //   - AVX2: vpmaddubsw on |q| (u8, <= 128) and qx carrying q's sign (s8), pairs of at most 2 * 128 * 127 (no
 //     saturation), then vpmaddwd by ones into int32 lanes. (On an AVX-512 build it runs on the two halves of
 //     each vector, so this machine can test it.)
@@ -44,7 +44,7 @@ inline vf rounded(vf v) {
 
 #ifdef DOMINOSPEC_INT8_DOT_VNNI
 struct DotVnni {
-  static constexpr bool BIASED = true;  // sums (q + 128) * qx: 128 * sum(qx) comes off after
+  static constexpr bool BIASED = true;  // sums (q + 128) * qx: the sum starts at -128 * sum(qx)
   static inline vi madd(vi acc, vi w, vi x) {
     return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
   }
@@ -88,9 +88,11 @@ void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __r
   constexpr bool in_memory = R > MR_DOT / 2;
   if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   for (int64_t g = 0; g < groups; ++g) {
-    vi isum[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) isum[r][v] = vi{};
+    vi isum[R][NV];  // VNNI's start at -128 * sum(qx): they end at sum(q * qx), exactly
+    for (int r = 0; r < R; ++r) {
+      const int32_t start = Dot::BIASED ? -static_cast<int32_t>(info[(r * groups + g) * ROW_INFO + 2]) : 0;
+      for (int v = 0; v < NV; ++v) isum[r][v] = vi{} + start;
+    }
     const int64_t q1 = std::min(K4, (g + 1) * qg);
     for (int64_t q = g * qg; q < q1; ++q) {
       const uint8_t* wk = wp + q * NR * QUAD;
@@ -111,10 +113,9 @@ void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __r
     }
     for (int r = 0; r < R; ++r) {
       const float* ri = info + (r * groups + g) * ROW_INFO;
-      const float d = ri[0], dsum = ri[1], bias128 = ri[2];
+      const float d = ri[0], dsum = ri[1];
       for (int v = 0; v < NV; ++v) {
-        vf dot = __builtin_convertvector(isum[r][v], vf);  // exact: |dot| < 2^24
-        if constexpr (Dot::BIASED) dot -= bias128;  // exact
+        const vf dot = __builtin_convertvector(isum[r][v], vf);  // exact: |dot| < 2^24
         acc[r][v] += rounded(dot * rounded(sg[v] * d));
         acc[r][v] += rounded(og[v] * dsum);
       }
