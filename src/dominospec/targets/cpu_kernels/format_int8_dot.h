@@ -89,6 +89,7 @@ void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __r
   if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   for (int64_t g = 0; g < groups; ++g) {
     vi isum[R][NV];  // VNNI's start at -128 * sum(qx): they end at sum(q * qx), exactly
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int32_t start = Dot::BIASED ? -static_cast<int32_t>(info[(r * groups + g) * ROW_INFO + 2]) : 0;
       for (int v = 0; v < NV; ++v) isum[r][v] = vi{} + start;
@@ -99,6 +100,7 @@ void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __r
       prefetch_row(wk + PREFETCH * NR * QUAD, NR * QUAD);
       vi w[NV];
       for (int v = 0; v < NV; ++v) std::memcpy(&w[v], wk + v * VW * QUAD, sizeof(vi));
+#pragma GCC unroll 16  // every row's sums in registers (a rolled loop kept them on the stack)
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq + r * ldx + q * QUAD, sizeof(four));
@@ -111,6 +113,7 @@ void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __r
       sg[v] = load_vf(so + g * 2 * NR + v * VW);
       og[v] = load_vf(so + g * 2 * NR + NR + v * VW);
     }
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const float* ri = info + (r * groups + g) * ROW_INFO;
       const float d = ri[0], dsum = ri[1];
