@@ -19,6 +19,11 @@ a compiler, the drafter's borrowed embedding and LM head, feature extraction) th
 same model, and the kernel packs those values in the compact format (kernels.PackedLinear).
 Speculative decoding is exact against plain decoding of that same model: the kernel's rows do not
 depend on their batch, in every format.
+
+The dot formats (DOT_FORMATS: `--dtype int8-dot`, `bfloat16-dot`) store int8's / bf16's weights and run
+them on the CPU's dot-product instructions, which round the activations too (int8-dot: per row in blocks
+of INT8_GROUP, cpu_kernels/format_int8_dot.h): each is a model of its own, recorded as such
+(precision_label), and they need the kernel (no library fallback computes them).
 """
 
 from __future__ import annotations
