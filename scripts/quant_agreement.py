@@ -1,4 +1,5 @@
-"""How close bf16 and int8 weights (`--dtype bfloat16` / `int8`, fp32 activations) stay to the fp32 model.
+"""How close bf16 and int8 weights (`--dtype bfloat16` / `int8`, fp32 activations), and the dot-product formats
+(`--formats ...,bfloat16-dot,int8-dot`: activations rounded too), stay to the fp32 model.
 
     taskset -c 1 python scripts/quant_agreement.py --json runs/quant_agreement.json
 
