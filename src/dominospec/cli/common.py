@@ -33,6 +33,7 @@ def environment_switches() -> dict[str, tuple[str, ...]]:
     return {
         kernels.ENV_SWITCH: SWITCH_WORDS,
         kernels.BF16_DOT_SWITCH: SWITCH_WORDS,
+        kernels.INT8_DOT_PATH: kernels.INT8_DOT_PATHS,
         native.FUSED_SWITCH: SWITCH_WORDS,
         fast.ENV_SWITCH: SWITCH_WORDS,
         fast.WEIGHTS_SWITCH: (*fast.DRAFTER_FORMATS, "auto"),

@@ -163,6 +163,7 @@ def bf16_dot_available(module) -> bool:
 
 
 INT8_DOT_PATH = "DOMINOSPEC_INT8_DOT_PATH"  # auto, avx512-vnni or avx2: which instructions run int8-dot
+INT8_DOT_PATHS = ("auto", "avx512-vnni", "avx2")  # the words it takes (a CPU may lack one: refused at load)
 
 
 def int8_dot_available(module) -> bool:
