@@ -409,3 +409,26 @@ def test_the_fused_layers_compute_the_python_layers(kind, monkeypatch):
         torch.testing.assert_close(fused[r, :n], loop[r, :n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(f_feats[r, :n], l_feats[r, :n], rtol=1e-5, atol=1e-5)
         assert torch.equal(fused[r, :n].argmax(-1), loop[r, :n].argmax(-1))
+
+
+def test_a_second_kernel_build_waits_and_imports_the_first_ones_library(tmp_path, monkeypatch):
+    """Two processes building the same kernel key at once (parallel test workers, two commands started
+    together) must not compile into the same files: the second waits on the directory's lock, then finds the
+    library the first one built and imports it instead of building again."""
+    import threading
+
+    from dominospec.io import exclusive_lock
+    from dominospec.targets import kernels
+
+    built, library = [], object()
+    monkeypatch.setattr(kernels, "_build", lambda name, directory: built.append(name) or library)
+    monkeypatch.setattr(kernels, "_import_built", lambda name, directory: library if built else None)
+    result = []
+    with exclusive_lock(tmp_path, "kernel build"):  # the first build, still running
+        second = threading.Thread(target=lambda: result.append(kernels._build_once("k", tmp_path)))
+        second.start()
+        second.join(timeout=0.3)
+        assert second.is_alive(), "the second build did not wait for the first"
+        built.append("first")  # the first build finishes and leaves its library
+    second.join(timeout=10)
+    assert result == [library] and built == ["first"]

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DominoError
-from ..io import cache_dir
+from ..io import cache_dir, exclusive_lock
 from ..log import log, log_once
 
 SOURCES = Path(__file__).with_name("cpu_kernels")  # the C++ sources: *.cpp compiled, *.h included
@@ -105,6 +105,14 @@ def _build(name: str, directory: Path):
     return module
 
 
+def _build_once(name: str, directory: Path):
+    """Build under the directory's lock: a second process (a parallel test worker, a second command started
+    at once) waits for the first build and imports its library instead of compiling into the same files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(directory, "kernel build", wait=True, report=log):
+        return _import_built(name, directory) or _build(name, directory)
+
+
 def load_kernels():
     """The compiled extension (its functions: cpu_kernels/module.cpp), or None where it cannot be had."""
     if "module" in _loaded:
@@ -118,7 +126,7 @@ def load_kernels():
         directory = kernel_dir()
         name = f"dominospec_cpu_kernels_{build_key()}"
         try:
-            module = _import_built(name, directory) or _build(name, directory)
+            module = _import_built(name, directory) or _build_once(name, directory)
         except Exception as exc:  # a broken toolchain must not stop decoding: fall back to the library paths
             log_once(f"the CPU kernels did not build ({type(exc).__name__}: {exc}); library GEMMs are used")
             module = None
