@@ -469,6 +469,10 @@ def test_llamacpp_rows_run_beside_ours_and_are_not_held_to_ar(llama_target, tmp_
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     methods, notes = bench_methods.build_methods(["ar", "llamacpp"], target=llama_target, gguf=str(gguf))
+    assert [m.name for m in methods] == ["ar", "llamacpp"]  # the prompt-lookup row has a group of its own
+    assert any("--methods ...,llamacpp-pld adds it" in n for n in notes)
+    groups = ["ar", "llamacpp", "llamacpp-pld"]
+    methods, notes = bench_methods.build_methods(groups, target=llama_target, gguf=str(gguf))
     assert [m.name for m in methods] == ["ar", "llamacpp", "llamacpp-pld"]
     assert any("not compared with ar" in n for n in notes)
     runner.benchmark(llama_target, DATASETS, methods, tmp_path / "out", max_new_tokens=5, progress=False)

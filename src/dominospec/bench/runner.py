@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 import platform
+import signal
+import threading
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -39,6 +42,7 @@ from .metrics import REFERENCE, PromptRun, profile_prediction, summarize, tokens
 from .report import render_report, write_plots
 
 WARMUP_TOKENS = 8
+PROMPT_TIME_LIMIT_S = 600.0  # one method on one prompt; past it the method stops (bench --prompt-time-limit)
 
 
 def parse_choices(spec: str, flag: str, allowed: Sequence[str]) -> list[str]:
@@ -87,29 +91,80 @@ def run_benchmark(
     seed: int = 0,
     warmup: bool = True,
     progress: bool = True,
+    time_limit_s: float | None = PROMPT_TIME_LIMIT_S,
+    stopped: dict[str, str] | None = None,
 ) -> list[PromptRun]:
-    """Every method on every token-id prompt, interleaved per prompt; one PromptRun each."""
+    """Every method on every token-id prompt, interleaved per prompt; one PromptRun each.
+
+    time_limit_s bounds one method on one prompt (its warm-up too; None: no bound): a run past it is
+    stopped and recorded as timed out, and that method runs no further prompt. `stopped` (when given)
+    receives method name -> what stopped it."""
     from tqdm import tqdm
 
     flat = [(ds, i, ids) for ds, prompts in datasets.items() for i, ids in enumerate(prompts)]
     if not flat:
         raise DominoError("no prompts to benchmark")
+    stopped = {} if stopped is None else stopped
+    runs: list[PromptRun] = []
+
+    def timed_out(m: Method, where: str) -> None:
+        stopped[m.name] = (
+            f"{m.name}: stopped on {where}, past the per-prompt time limit of {time_limit_s:g} s "
+            "(--prompt-time-limit); its later prompts were not run"
+        )
+        log(stopped[m.name])
+
     if warmup:  # uncounted: first calls pay for allocator growth, kernel selection, lazy imports
         for m in methods:
-            m.run(target, flat[0][2], min(max_new_tokens, WARMUP_TOKENS), sampling, seed)
-    runs: list[PromptRun] = []
+            try:
+                with prompt_time_limit(time_limit_s):
+                    m.run(target, flat[0][2], min(max_new_tokens, WARMUP_TOKENS), sampling, seed)
+            except PromptTimeout:
+                timed_out(m, "its warm-up")
     bar = tqdm(total=len(flat) * len(methods), desc="bench", unit="run", disable=not progress, dynamic_ncols=True)
     try:
         for n, (ds, i, ids) in enumerate(flat):
             shift = n % len(methods)  # rotate the order so no method always runs first or last
             for m in list(methods[shift:]) + list(methods[:shift]):
-                bar.set_postfix_str(f"{ds}#{i} {m.name}", refresh=False)
-                # one seed per prompt, shared by all methods
-                runs.append(m.run(target, ids, max_new_tokens, sampling, seed + n, ds, i))
                 bar.update()
+                if m.name in stopped:
+                    continue
+                bar.set_postfix_str(f"{ds}#{i} {m.name}", refresh=False)
+                try:
+                    with prompt_time_limit(time_limit_s):
+                        run = m.run(target, ids, max_new_tokens, sampling, seed + n, ds, i)  # one seed per prompt
+                except PromptTimeout:
+                    run = PromptRun(m.name, ds, i, [], time_limit_s, prompt_len=len(ids), timed_out=True)
+                    timed_out(m, f"{ds}#{i}")
+                runs.append(run)
     finally:
         bar.close()
     return runs
+
+
+class PromptTimeout(Exception):
+    """One method on one prompt ran past bench's per-prompt time limit."""
+
+
+@contextmanager
+def prompt_time_limit(seconds: float | None):
+    """Raise PromptTimeout in this thread once `seconds` have passed (SIGALRM: it stops Python code of any
+    method, and C code when it returns to Python). Without a bound where no alarm can be set (seconds None,
+    another thread than the main one, a platform without setitimer)."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(_signum, _frame):
+        raise PromptTimeout
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
 
 
 def summarize_benchmark(
@@ -123,11 +178,13 @@ def summarize_benchmark(
 
     uncompared: methods whose outputs are not held to ar's (the llama.cpp peer: other weights)."""
     ref_tokens = (
-        {(r.dataset, r.prompt_index): r.tokens for r in runs if r.method == REFERENCE} if compare_outputs else None
+        {(r.dataset, r.prompt_index): r.tokens for r in runs if r.method == REFERENCE and not r.timed_out}
+        if compare_outputs
+        else None
     )
 
     def group(selected: list[PromptRun]) -> dict:
-        ref = [r for r in selected if r.method == REFERENCE]
+        ref = [r for r in selected if r.method == REFERENCE and not r.timed_out]
         ref_tps = tokens_per_second((r.new_tokens for r in ref), (r.total_s for r in ref)) if ref else None
         return {
             name: summarize(
@@ -177,6 +234,7 @@ def benchmark(
     plots: bool = True,
     notes: Sequence[str] = (),
     config: dict | None = None,
+    time_limit_s: float | None = PROMPT_TIME_LIMIT_S,
 ) -> dict:
     """Run, summarise and write DIR/results.json, runs.jsonl, report.md and plots; returns the results."""
     out = ensure_writable_dir(out_dir)  # before the run: a result that cannot be written is lost
@@ -192,7 +250,11 @@ def benchmark(
             f"({target.max_positions} positions): every method's answer to them is cut there"
         )
     t0 = time.time()
-    runs = run_benchmark(target, datasets, methods, max_new_tokens, sampling, seed, warmup, progress)
+    stopped: dict[str, str] = {}
+    runs = run_benchmark(
+        target, datasets, methods, max_new_tokens, sampling, seed, warmup, progress, time_limit_s, stopped
+    )
+    notes += stopped.values()
     compare = sampling.greedy
     if not compare:
         notes.append(
@@ -241,6 +303,7 @@ def benchmark(
         "seed": seed,
         "reference": REFERENCE,
         "warmup": warmup,
+        "prompt_time_limit_s": time_limit_s,
         "interleaved": True,
         "methods": [m.describe() for m in methods],
         "datasets": {ds: len(p) for ds, p in datasets.items()},
@@ -272,6 +335,7 @@ def benchmark(
                     "lookup_cycles": r.lookup_cycles,
                     "draft_skipped": r.draft_skipped,
                     "prompt_len": r.prompt_len,
+                    "timed_out": r.timed_out,
                     "tokens": r.tokens,
                 }
             )

@@ -187,7 +187,7 @@ def summarize(records: list[Record], wall: float) -> dict:
 
 
 async def _run(cfg: ServerBenchConfig, progress=None) -> dict:
-    base = cfg.url = check_loopback(cfg.url)
+    base = cfg.url = check_loopback(cfg.url, "--server")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=max(cfg.levels) + 4)
     async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits, headers=headers) as http:

@@ -13,6 +13,7 @@ from ..bench.concurrency import (
 from ..bench.methods import DEFAULT_METHODS, DRAFTER_GROUPS, build_methods
 from ..bench.report import format_method_table, format_verify_cost, write_verify_cost
 from ..bench.runner import (
+    PROMPT_TIME_LIMIT_S,
     benchmark,
     load_prompt_sets,
     parse_choices,
@@ -59,6 +60,8 @@ def cmd_bench(args) -> int:
         "repeats",
         *(["block_size"] if args.block_size != "auto" else []),
     )
+    if not args.prompt_time_limit >= 0:
+        raise DominoError(f"--prompt-time-limit must be >= 0 seconds (0: no limit), got {args.prompt_time_limit}")
     levels = parse_concurrency(args.concurrency) if args.concurrency is not None else None
     proposers = parse_choices(args.proposers, "--proposers", tuple(PROPOSERS)) if levels else None
     if levels and not args.prompts:
@@ -150,6 +153,7 @@ def cmd_bench(args) -> int:
         warmup=not args.no_warmup,
         plots=not args.no_plots,
         notes=notes,
+        time_limit_s=args.prompt_time_limit or None,
         config={
             "prompt_files": [str(p) for p in args.prompts],
             "limit": args.limit,
@@ -230,7 +234,7 @@ def _bench_server(args) -> int:
 
     require_at_least(args, 1, "max_new_tokens", "limit")
     for url in args.server:
-        check_loopback(url)
+        check_loopback(url, "--server")
     if args.server and not args.prompts:
         raise DominoError("--server needs --prompts FILE.jsonl (one or more)")
     if len(args.label) > len(args.server):
@@ -349,7 +353,7 @@ def add_parser(sub) -> None:
         help="comma list of ar, hf, pld, drafters, ablation (drafters without their head), lookup "
         "(prompt lookup alone, on the native path), hybrid (each drafter + prompt lookup), sweep "
         "(each drafter at every smaller fixed block size), llamacpp (llama.cpp through llama-cpp-python on "
-        "--gguf: plain and its prompt lookup; skipped when not installed) (default %(default)s)",
+        "--gguf, plain; skipped when not installed), llamacpp-pld (its prompt lookup) (default %(default)s)",
     )
     p.add_argument(
         "--gguf",
@@ -359,6 +363,15 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts of each file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument(
+        "--prompt-time-limit",
+        type=float,
+        default=PROMPT_TIME_LIMIT_S,
+        metavar="S",
+        help="seconds one method may take on one prompt (its warm-up too); past it that method is stopped, "
+        "the prompt counted as timed out in the table, and its later prompts skipped; 0 = no limit "
+        "(default %(default)s)",
+    )
     p.add_argument(
         "--block-size",
         type=block_size_arg,

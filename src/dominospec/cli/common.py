@@ -10,7 +10,7 @@ import torch
 
 from ..decode.lookup import HYBRID_MIN_MATCH
 from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, check_threshold, verify_mode_help
-from ..devices import default_threads
+from ..devices import threads_to_use
 from ..drafter import HEADS, Drafter, DrafterConfig, shipped_drafter_dir
 from ..errors import DominoError, flag
 from ..export import ENGINES, arch_for_engine
@@ -93,8 +93,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: OMP_NUM_THREADS, else every physical core; on a shared "
-        "machine, fewer threads than busy cores gives steadier timings)",
+        help="CPU threads for torch (default: OMP_NUM_THREADS, else every physical core; capped, with a note, "
+        "at the CPUs this process may use; on a shared machine, fewer threads than busy cores gives steadier "
+        "timings)",
     )
 
 
@@ -253,7 +254,10 @@ def warn_if_reduced_precision(target) -> None:
 def target_from_args(args):
     if args.threads is not None and args.threads < 1:
         raise DominoError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads or default_threads())
+    threads, note = threads_to_use(args.threads)
+    if note:
+        log(note)
+    torch.set_num_threads(threads)
     return Target.load(args.target, device=args.device, dtype=args.dtype, progress=log, backend=args.backend)
 
 

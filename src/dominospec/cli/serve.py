@@ -42,9 +42,9 @@ def cmd_serve(args) -> int:
 
     check_serve_args(args)
     api_key = api_key_from(args)
+    check_listen(args.host, args.port)  # a busy port or a bad host, before the model loads (and any warning)
     if not _is_loopback(args.host) and api_key is None:
         log(f"serve: listening on {args.host} without --api-key: anyone who reaches this port can use the model")
-    check_listen(args.host, args.port)  # a busy port or a bad host, before the model loads
     spec = spec_from_args(args, "serve", args.block_size)  # a drafter directory is checked before the target loads
     target = target_from_args(args)
     warn_if_reduced_precision(target)
@@ -60,6 +60,7 @@ def cmd_serve(args) -> int:
         api_key=api_key,
         request_timeout=args.request_timeout,
         allowed_hosts=LOOPBACK_HOSTS if _is_loopback(args.host) else None,
+        allowed_origins=tuple(args.allow_origin),
     )
     log(
         f"serve: {target.name} ({spec.describe()}) on http://{args.host}:{args.port}/v1, {args.max_batch} slots of "
@@ -93,6 +94,19 @@ def check_serve_args(args) -> None:
         raise DominoError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise DominoError("--served-model-name is empty")
+    check_origins(args.allow_origin)
+
+
+def check_origins(origins: list[str]) -> None:
+    """--allow-origin: each an origin a browser sends (scheme://host[:port], no path), or * for any."""
+    from ..serve.app import origin_of
+
+    for origin in origins:
+        if origin != "*" and origin_of(origin) is None:
+            raise DominoError(
+                f"--allow-origin {origin!r} is not an origin: give scheme://host[:port] as a browser sends it "
+                "(e.g. http://localhost:3000), or * for any page"
+            )
 
 
 def api_key_from(args) -> str | None:
@@ -158,6 +172,14 @@ def add_parser(sub) -> None:
         "--host", default="127.0.0.1", help="interface to listen on (default %(default)s: this machine only)"
     )
     p.add_argument("--port", type=int, default=8000, help="default %(default)s")
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages on ORIGIN (scheme://host[:port], e.g. http://localhost:3000; * for any) call the "
+        "server; repeat for several. By default only the server's own pages (its scheme, host and port) may",
+    )
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default %(default)s)")
     p.add_argument(
         "--max-queue", type=int, default=64, help="requests that may wait for a slot; beyond, 429 (default %(default)s)"

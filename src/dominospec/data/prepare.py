@@ -23,7 +23,9 @@ from. Split samples are named "<source>:<index>/<turn>".
 Exactly once. Shard k holds conversations [k*S, (k+1)*S) (S = shard size, a multiple of the
 batch size) and is written atomically (tmp file + os.replace), after its stats file. A shard file
 that exists is complete, so a run killed at any moment and restarted with the same arguments
-redoes only missing shards. Batches are aligned to multiples of the batch size and each batch's
+redoes only missing shards. A rerun checks every shard against its counts file first: one cut short
+on disk is named, with the command that has it written again.
+Batches are aligned to multiples of the batch size and each batch's
 sampling seed is derived from the run seed and its first conversation index, so the redone
 shards come out identical to an uninterrupted run. With sampler "batch", generation draws one
 random stream per batch, so a sample depends on its batch mates; with sampler "slots" (sampler.py:
@@ -358,7 +360,10 @@ def prepare_data(
         existing = read_meta(out)
         if existing is not None:
             _check_same_run(existing, meta, out)
-            if existing.get("complete"):
+            n_shards = _num_shards(len(conversations), cfg)
+            _refuse_damaged_shards(out, n_shards)
+            missing = [k for k in range(n_shards) if not _shard_path(out, k).exists()]
+            if existing.get("complete") and not missing:
                 log(f"{out} is already complete ({existing['counts']['samples']} samples); nothing to do")
                 return existing
             meta = existing
@@ -489,6 +494,44 @@ def _shard_path(out: Path, k: int) -> Path:
 
 def _stats_path(out: Path, k: int) -> Path:
     return out / f"samples-{k:05d}.stats.json"
+
+
+def _refuse_damaged_shards(out: Path, n_shards: int) -> None:
+    """A DominoError naming every shard file that does not hold what its counts file says (cut short on
+    disk, copied in part, edited), and how to have it written again."""
+    damaged = []
+    for k in range(n_shards):
+        why = _shard_damage(out, k)
+        if why:
+            damaged.append((_shard_path(out, k), why))
+    if damaged:
+        raise DominoError(
+            f"{out}: {len(damaged)} shard(s) damaged: "
+            + "; ".join(f"{path.name} ({why})" for path, why in damaged)
+            + ". To write them again, remove them ("
+            + "rm "
+            + " ".join(str(path) for path, _ in damaged)
+            + ") and rerun the same command: prepare-data redoes exactly the missing shards, identical to an "
+            "uninterrupted run"
+        )
+
+
+def _shard_damage(out: Path, k: int) -> str | None:
+    """Why shard k's file is not whole (None: it is, or it is not there yet)."""
+    path = _shard_path(out, k)
+    if not path.exists():
+        return None
+    try:
+        expected = json.loads(_stats_path(out, k).read_text(encoding="utf-8")).get("samples", 0)  # 0s are left out
+    except (OSError, ValueError, AttributeError):
+        return f"its counts file {_stats_path(out, k).name} is missing or unreadable"
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        return "its last line is cut short"
+    lines = data.count(b"\n")
+    if lines != expected:
+        return f"{lines} samples where its counts file says {expected}"
+    return None
 
 
 def _sum_shard_stats(out: Path, n_shards: int) -> dict:

@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -379,6 +380,21 @@ def check_against_contract(tensors: dict[str, torch.Tensor], expected: dict, dty
             raise DominoError(f"{name} holds NaN/inf values; the drafter is damaged")
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, byte-reproducible: safetensors writes its metadata map in hash order, which
+    changes from call to call, so the header is written again with the metadata keys sorted (the tensors'
+    entries keep safetensors' own order, and their data is untouched)."""
+    from safetensors.torch import save
+
+    blob = save(tensors, metadata=metadata)
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8 : 8 + n])
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+    path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n :])
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -542,15 +558,11 @@ def export_drafter(
             "dir": str(src),
             **{f"{n}_sha256": _sha256(src / n) for n in (CONFIG_NAME, WEIGHTS_NAME) if (src / n).exists()},
         }
-    from safetensors.torch import save_file
-
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))  # beside out, never inside it
     umask = os.umask(0)
     os.umask(umask)
     try:
-        save_file(
-            tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "exported_by": f"dominospec {__version__}"}
-        )
+        write_safetensors(tensors, tmp / WEIGHTS_NAME, {"format": "pt", "exported_by": f"dominospec {__version__}"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         if plan.mask_file:
             emb = drafter.mask_embedding.detach().cpu().to(torch_dtype).clone()

@@ -66,7 +66,9 @@ class ServeConfig:
     # Host names answered (None: any). A loopback-bound server answers only loopback names, so a web
     # page that rebinds its own DNS name to 127.0.0.1 cannot read its answers.
     allowed_hosts: tuple[str, ...] | None = None
-    body_timeout_s: float = 30.0  # a client that sends its body slower than this is cut off (408)
+    body_timeout_s: float = 30.0  # a whole body not in within this many seconds is cut off (408)
+    # Origins (scheme://host:port) whose web pages may call the server besides its own; "*" allows any
+    allowed_origins: tuple[str, ...] = ()
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -597,6 +599,10 @@ class Gatekeeper:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = message.get("headers", [])
+                if not any(name.lower() == b"x-content-type-options" for name, _ in headers):
+                    # no browser may guess another type (HTML, script) for a JSON or text body
+                    message = {**message, "headers": [*headers, (b"x-content-type-options", b"nosniff")]}
             await send(message)
 
         try:
@@ -607,7 +613,7 @@ class Gatekeeper:
 
     async def _checked(self, scope, receive, send):
         headers = dict(scope["headers"])
-        refusal = self._foreign(headers)
+        refusal = self._foreign(scope, headers)
         if refusal is not None:
             return await self._refuse(scope, receive, send, 403, refusal, "forbidden_origin")
         if self.config.api_key is not None and not _public(scope["path"]) and not self._authorized(scope):
@@ -629,9 +635,11 @@ class Gatekeeper:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await self._refuse(scope, receive, send, 413, f"the body exceeds {limit} bytes", "body_too_large")
         chunks, size = [], 0
+        # one deadline for the whole body: a client dripping a byte at a time is cut off at it too
+        deadline = time.monotonic() + self.config.body_timeout_s
         while True:  # read it whole here, so a body without Content-Length is bounded too
             try:
-                message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 msg = f"the body did not arrive within {self.config.body_timeout_s:g} s"
                 return await self._refuse(scope, receive, send, 408, msg, "body_timeout")
@@ -656,12 +664,14 @@ class Gatekeeper:
 
         await self.app(scope, replay, send)
 
-    def _foreign(self, headers: dict) -> str | None:
-        """Why a request from a web page on another site (or a rebound DNS name) is refused; None if it is not.
+    def _foreign(self, scope, headers: dict) -> str | None:
+        """Why a request from a web page on another origin (or a rebound DNS name) is refused; None if it is not.
 
-        Browsers send Origin on cross-site requests; API clients send none. An Origin is accepted when it
-        names the host the request was sent to, or (on a loopback server) a loopback name."""
-        host = _hostname(headers.get(b"host", b"").decode("latin-1"))
+        Browsers send Origin on cross-site requests; API clients send none. An Origin is accepted when it is
+        the server's own: the scheme, host and port the request was sent to (on a loopback server, any
+        loopback name on that port), or one that `allowed_origins` (serve --allow-origin) lists."""
+        netloc = headers.get(b"host", b"").decode("latin-1")
+        host = _hostname(netloc)
         allowed = self.config.allowed_hosts
         if allowed is not None and host not in allowed:
             return f"Host {host!r} is not this server's; a server bound to loopback answers {', '.join(allowed)}"
@@ -669,10 +679,19 @@ class Gatekeeper:
         if origin is None:
             return None
         text = origin.decode("latin-1")
-        name = _hostname(urlparse(text).netloc) if "://" in text else None
-        if name == host or (allowed is not None and name in allowed):
+        page = origin_of(text)
+        own = origin_of(f"{scope.get('scheme', 'http')}://{netloc}")
+        if page is not None and own is not None and page[0] == own[0] and page[2] == own[2]:
+            if page[1] == own[1] or (allowed is not None and page[1] in allowed):
+                return None
+        if "*" in self.config.allowed_origins or (
+            page is not None and page in {origin_of(o) for o in self.config.allowed_origins}
+        ):
             return None
-        return f"requests from web pages on {text} are refused (Origin is not this server)"
+        return (
+            f"requests from web pages on {text} are refused (Origin is not this server's own, "
+            f"{scope.get('scheme', 'http')}://{netloc}; `serve --allow-origin ORIGIN` allows another)"
+        )
 
     def _authorized(self, scope) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
@@ -693,3 +712,19 @@ def _hostname(netloc: str) -> str:
     if netloc.startswith("["):
         return netloc[1 : netloc.find("]")] if "]" in netloc else netloc
     return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin_of(url: str) -> tuple[str, str, int] | None:
+    """`scheme://host[:port]` -> (scheme, host, port) with the scheme's default port made explicit; None
+    when `url` is not such an origin (a path, no host, an unknown scheme, a bad port, or "null")."""
+    try:
+        parts = urlparse(url.strip().lower())
+        port = parts.port or DEFAULT_PORTS.get(parts.scheme)
+    except ValueError:
+        return None
+    if not parts.hostname or port is None or parts.path not in ("", "/") or parts.query or parts.params:
+        return None
+    return parts.scheme, parts.hostname, port

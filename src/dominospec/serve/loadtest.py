@@ -109,18 +109,19 @@ class LoadTestReport:
         return "\n".join(lines)
 
 
-def check_loopback(url: str) -> str:
-    """The URL without a trailing slash; a DominoError unless it is http(s) on this machine."""
+def check_loopback(url: str, flag: str = "--url") -> str:
+    """The URL without a trailing slash; a DominoError (naming `flag`, the option that gave it) unless it is
+    http(s) on this machine."""
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise DominoError(f"--url {url!r}: expected http://127.0.0.1:PORT")
+        raise DominoError(f"{flag} {url!r}: expected http://127.0.0.1:PORT")
     host = parsed.hostname
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host in LOOPBACK_NAMES
     if not loopback:
-        raise DominoError(f"--url {url!r}: the load test only drives servers on this machine (127.0.0.1, ::1)")
+        raise DominoError(f"{flag} {url!r}: the load test only drives servers on this machine (127.0.0.1, ::1)")
     return url.rstrip("/")
 
 

@@ -198,10 +198,13 @@ def refuse_unsupported(req: BaseModel) -> None:
             )
 
 
+UTF8_BOM = b"\xef\xbb\xbf"  # some editors and Windows tools start UTF-8 text with it; JSON parsers may skip it
+
+
 def parse_body(model: type[BaseModel], raw: bytes):
     """The request body as `model`, or an APIError(400) naming the first problem and where it is."""
     try:
-        req = model.model_validate_json(raw)
+        req = model.model_validate_json(raw.removeprefix(UTF8_BOM))
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         if err["type"] == "json_invalid":

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import DominoError
 from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
+from .kernels import active_build
 from .load import load_model
 from .native import KVCache, NativeModel, native_support
 from .quant import (
@@ -200,7 +201,8 @@ class Target:
         target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend, weights=weights)
         if target.backend_note and progress:
             progress(target.backend_note)
-        if weights == AUTO and target.weight_only and progress:
+        if weights == AUTO and target.weight_only and progress and active_build() != "off":
+            # (without the kernel, native.py's one note says what runs instead)
             progress(
                 f"--dtype auto: {target.weight_only} weights on the CPU kernel (they hold {name}'s weights to fp32 "
                 "rounding: the same model on fewer bytes); --dtype float32 runs the fp32 kernel"

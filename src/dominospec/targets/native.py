@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..log import log_once
-from .kernels import PackedLinear, load_kernels
+from .kernels import ENV_SWITCH, PackedLinear, kernels_enabled, load_kernels
 from .quant import WEIGHT_ONLY, format_values
 
 NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -98,6 +98,15 @@ class NativeConfig:
         )
 
 
+def without_kernel_note(weight_format: str) -> str:
+    """The one note a weight-only target without the small-row kernel gets (and why it has none)."""
+    why = f"{ENV_SWITCH}=off" if not kernels_enabled() else "the small-row kernel is not available"
+    return (
+        f"{why}: {weight_format} weights run as fp32 values on the library GEMMs (the same model, at fp32's "
+        "speed, not the kernel's)"
+    )
+
+
 def _packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -135,7 +144,7 @@ class Linear(nn.Module):
             self.weight = None  # the panels serve every row count (frees a fused copy)
             return
         if weight_format in WEIGHT_ONLY:  # no kernel: the format's values, fp32 library paths
-            log_once(f"{weight_format} weights without the small-row kernel: the same model, at fp32's speed")
+            log_once(without_kernel_note(weight_format))
             weight = format_values(weight, weight_format)
             self.weight = nn.Parameter(weight, requires_grad=False)  # the slot may hold a shared HF Parameter
         if _packing_available():

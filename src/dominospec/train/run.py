@@ -28,7 +28,7 @@ from .samples import (
     init_from_target_layer,
     validate_samples,
 )
-from .trainer import TrainConfig, Trainer
+from .trainer import TrainConfig, Trainer, read_train_state
 from .validate import Validator, shared_sequences, split_validation
 
 TRAIN_LABELS = ("all", "on-policy", "off-policy")
@@ -94,6 +94,8 @@ class TrainJob:
             raise DominoError(
                 f"{out} already holds a training checkpoint; pass --resume to continue it or choose another --out"
             )
+        if self.resume:
+            read_train_state(out)  # a damaged checkpoint is named now, not after the target loads
         return out, cache
 
 

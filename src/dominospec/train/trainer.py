@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -227,6 +228,42 @@ def samples_fingerprint(samples: list[dict]) -> str:
     for sample in samples:
         h.update(json.dumps([sample.get("id"), sample["input_ids"], sample["loss_mask"]]).encode())
     return h.hexdigest()
+
+
+def read_train_state(out: Path, device="cpu") -> tuple[Path, dict, tuple] | None:
+    """The checkpoint `--resume` continues: (its directory, trainer.pt's dict, its drafter as read_checkpoint
+    gives it), or None when OUT holds none. A damaged one (truncated or emptied by a crash or a full disk)
+    is a DominoError naming the file and what to do; nothing in OUT is touched."""
+    d = out / "train_state"
+    if not d.exists() and (out / "train_state.old").exists():
+        d = out / "train_state.old"  # killed between the two renames
+    if not (d / "trainer.pt").exists():
+        return None
+    st = read_trainer_pt(d / "trainer.pt", device)
+    try:
+        drafter = read_checkpoint(d / "drafter")
+    except DominoError as exc:
+        raise DominoError(f"cannot resume: {exc}. {_damaged_advice(d)}") from None
+    return d, st, drafter
+
+
+def read_trainer_pt(path: Path, device="cpu") -> dict:
+    """OUT/train_state/trainer.pt, or a DominoError saying it is damaged and what to do."""
+    try:
+        st = torch.load(path, map_location=device, weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
+        why = f"{type(exc).__name__}: {str(exc).split('. ')[0] or 'empty'}"
+        raise DominoError(f"cannot resume: {path} is damaged ({why}). {_damaged_advice(path.parent)}") from None
+    if not isinstance(st, dict) or "step" not in st:
+        raise DominoError(f"cannot resume: {path} is not a training checkpoint. {_damaged_advice(path.parent)}")
+    return st
+
+
+def _damaged_advice(state_dir: Path) -> str:
+    return (
+        f"Restore {state_dir} from a copy, or remove it to train from the start (the drafter exported in "
+        f"{state_dir.parent}, if any, is kept)"
+    )
 
 
 class Trainer:
@@ -709,7 +746,7 @@ class Trainer:
         path = self.state_dir / "trainer.pt"
         if not self.dist.main or not path.exists():
             return None
-        return int(torch.load(path, map_location="cpu", weights_only=False)["step"])
+        return int(read_trainer_pt(path, "cpu")["step"])
 
     # ----- checkpoints -----
     @property
@@ -749,13 +786,10 @@ class Trainer:
         """Continue from OUT/train_state; False when there is none. Refuses a checkpoint made with
         other settings (every TrainConfig field that changes the result, the drafter's config, the
         data size), naming each setting with its stored and its new value."""
-        d = self.state_dir
-        if not d.exists() and (self.out / "train_state.old").exists():
-            d = self.out / "train_state.old"  # killed between the two renames
-        if not (d / "trainer.pt").exists():
+        found = read_train_state(self.out, self.device)
+        if found is None:
             return False
-        st = torch.load(d / "trainer.pt", map_location=self.device, weights_only=False)
-        config, state, w_path = read_checkpoint(d / "drafter")
+        d, st, (config, state, w_path) = found
         changed = []
         phases = [tuple(p) for p in st.get("phases", [(0, st["num_samples"], 0)])]
         had = st["num_samples"]

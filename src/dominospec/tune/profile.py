@@ -375,13 +375,16 @@ def ensure_profile(
     stale = not batch or (label is not None and owner != label)  # without a drafter any table's forwards do
     if batch_rows and target.supports_rows and stale:
         report(
-            f"measuring the engine's batched cost table for {list(batch_rows)} rows (a few seconds; "
+            f"measuring the engine's batched cost table for {list(batch_rows)} rows, once for this machine and "
+            "thread count (stored; from under a minute on a free core to a few minutes on a busy one; "
             "`dominospec profile --batch-rows` measures the full one)"
         )
         context = min(int(c) for c in table["verify"])
+        start = time.perf_counter()
         table["batch"] = profile_batch_cost(target, drafter, batch_rows, context, min(max_k, 9), QUICK_REPEATS)
         table["batch"]["drafter"] = label
         save_profile(table)
+        report(f"batched cost table measured in {time.perf_counter() - start:.0f} s and stored in {path}")
     return table
 
 

@@ -84,7 +84,6 @@ async function stream(messages, extra, column) {
     messages,
     max_tokens: parseInt($("max-tokens").value, 10) || 128,
     temperature: parseFloat($("temperature").value) || 0,
-    seed: 0,
     stream: true,
     spec_metrics: true,
     ...extra,
@@ -191,9 +190,12 @@ function send(event) {
     const answer = el("div", "answer");
     $("conversation").append(answer);
     $("prompt").value = "";
-    const result = await stream(history, {}, answerColumn(answer, "speculative"));
+    // a fresh seed per question: at temperature > 0, asking again gives another answer; the comparison
+    // with plain decoding reuses it
+    const seed = Math.floor(Math.random() * 2 ** 31);
+    const result = await stream(history, { seed }, answerColumn(answer, "speculative"));
     state.messages.push({ role: "assistant", content: result ? result.text : "" });
-    state.last = result ? { history, answer, result, compared: false } : null;
+    state.last = result ? { history, answer, result, seed, compared: false } : null;
   });
 }
 
@@ -202,7 +204,7 @@ function compare() {
   if (!last || last.compared || state.busy) return;
   busy(async () => {
     last.compared = true;
-    const plain = await stream(last.history, { speculative: false }, answerColumn(last.answer, "plain decoding"));
+    const plain = await stream(last.history, { speculative: false, seed: last.seed }, answerColumn(last.answer, "plain decoding"));
     if (!plain) return;
     const a = last.result.tokens / last.result.seconds;
     const b = plain.tokens / plain.seconds;
