@@ -11,7 +11,7 @@ panels, plus int8's column scales) over its median time, to set against the mach
 bandwidth (the `read` column: torch.sum over a buffer of the fp32 weights' size, same threads).
 `--formats float32,bfloat16,int8,bfloat16-dot --only-kernels` times the kernels (and `read`) alone.
 `--baseline LIB.so` adds the same formats on another build of the kernel (say, the cached build of an
-earlier source: `$DOMINOSPEC_CACHE/kernels/small_m_linear_<key>/*.so`), interleaved with this one's.
+earlier source: `$DOMINOSPEC_CACHE/kernels/cpu_kernels_<key>/*.so`), interleaved with this one's.
 `--attention` times the attention kernel instead (one forward's 30 calls, SmolLM2's 9 query and 3 kv
 heads of 64, after a cached context of 256 and 1024, for 1 and 9 new tokens), on each build.
 """

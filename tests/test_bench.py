@@ -132,6 +132,8 @@ def test_time_split_leaves_the_rest_to_host_overhead():
     assert t["cycles"] == 4
     assert (t["draft_ms_per_cycle"], t["verify_ms_per_cycle"], t["host_ms_per_cycle"]) == pytest.approx((50, 125, 50))
     assert time_split([run(tokens=range(5), total_s=1.0, prefill_s=0.2)])["decode_ms_per_step"] == pytest.approx(200)
+    prompts = [run(prefill_s=0.2, prompt_len=300), run(prefill_s=0.1, prompt_len=150)]
+    assert time_split(prompts)["prompt_tok_per_s"] == pytest.approx(1500)  # prompt tokens over prefill seconds
 
 
 def test_profile_prediction_prices_each_cycle_at_its_own_k_and_context():

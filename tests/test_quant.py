@@ -1,5 +1,7 @@
-"""bf16 and int8 target weights (targets/quant.py, the small-row kernel's formats): each format is its own
-model, computed to fp32 rounding, and speculative decoding is exact against plain decoding of that model."""
+"""bf16 and int8 target weights (targets/quant.py, the small-row kernel's formats), and the dot-product formats
+int8-dot / bfloat16-dot (activations rounded too): each format is its own model, computed to fp32 rounding (int8-dot:
+to the last bit of a float64 reference of its own arithmetic), and speculative decoding is exact against plain
+decoding of that model."""
 
 import hashlib
 import json
@@ -23,8 +25,9 @@ from dominospec.data.dataset import load_dataset_dir, target_record
 from dominospec.decode import PromptLookup
 from dominospec.engine import Engine, EngineRequest
 from dominospec.targets.features import FeatureCache
-from dominospec.targets.kernels import BF16_DOT_SWITCH, PackedLinear, load_kernels
+from dominospec.targets.kernels import BF16_DOT_SWITCH, INT8_DOT_PATH, PackedLinear, kernel_format, load_kernels
 from dominospec.targets.quant import (
+    INT8_GROUP,
     apply_weight_format_,
     dequantize_int8,
     format_values,
@@ -34,6 +37,7 @@ from dominospec.targets.quant import (
 from dominospec.tune.profile import device_fingerprint
 
 FORMATS = ["bfloat16", "int8"]
+DOT = ["int8-dot", "bfloat16-dot"]  # the dot-product formats, where the CPU has their instructions
 # (N, K): N ragged against the panel width, K odd, int8's groups of 32 ragged
 SHAPES = [(1, 1), (5, 3), (33, 17), (100, 37), (70, 64), (40, 150)]
 
@@ -46,21 +50,68 @@ def kernels():
     return module
 
 
+def int8_dot_paths(module) -> list[str]:
+    """int8-dot on each instruction path this build has: its best, and AVX2 forced where that is another."""
+    paths = list(module.int8_dot_paths())
+    return ["int8-dot"] * bool(paths) + ["int8-dot-avx2"] * ("avx2" in paths[1:])
+
+
 def kernel_formats(module) -> list[str]:
-    """Every panel layout this CPU runs: the portable formats, and bf16 on the native dot product where it exists."""
-    return ["float32", "bfloat16", "int8"] + (["bfloat16-dot"] if module.has_bf16_dot() else [])
+    """Every panel layout this CPU runs: the portable formats, bf16 on the native dot product where it exists,
+    int8-dot on each of its instruction paths."""
+    bf16_dot = ["bfloat16-dot"] if module.has_bf16_dot() else []
+    return ["float32", "bfloat16", "int8"] + bf16_dot + int8_dot_paths(module)
+
+
+def needs(module, fmt: str) -> None:
+    if fmt.startswith("bfloat16-dot") and not module.has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16")
+    if fmt.startswith("int8-dot") and fmt not in int8_dot_paths(module):
+        pytest.skip(f"this CPU's build has no {fmt} path")
+
+
+def force_path(fmt: str, monkeypatch) -> str:
+    """The format's name for the target; int8-dot-avx2: int8-dot on AVX2's instructions (DOMINOSPEC_INT8_DOT_PATH)."""
+    monkeypatch.setenv(BF16_DOT_SWITCH, "off")
+    monkeypatch.setenv(INT8_DOT_PATH, "avx2" if fmt == "int8-dot-avx2" else "auto")
+    return "int8-dot" if fmt == "int8-dot-avx2" else fmt
+
+
+LAYOUTS = {"bfloat16-dot": "bfloat16_pairs", "int8-dot": "int8_quads", "int8-dot-avx2": "int8_quads"}
 
 
 def packed(module, w, b, fmt, monkeypatch) -> PackedLinear:
-    monkeypatch.setenv(BF16_DOT_SWITCH, "on" if fmt == "bfloat16-dot" else "off")
-    lin = PackedLinear(module, w, b, "bfloat16" if fmt == "bfloat16-dot" else fmt)
-    assert lin.format == {"bfloat16-dot": "bfloat16_pairs"}.get(fmt, fmt)
+    lin = PackedLinear(module, w, b, force_path(fmt, monkeypatch))
+    assert lin.format == LAYOUTS.get(fmt, fmt)
     return lin
 
 
+def int8_dot_reference(x, w, b, group: int = INT8_GROUP):
+    """int8-dot's own arithmetic in float64, each fp32 step rounded where the kernel rounds it: every row quantised
+    in blocks of `group` (d = max|x| / 127, qx = round-half-even(x / d)), the integer dot exact, then per group
+    total += float(dot) * (s * d), total += o * (d * sum(qx)), then the bias (cpu_kernels/format_int8_dot.h)."""
+    q, scale, offset = quantize_int8(w, group)  # [N, K], [N, G], [N, G]
+
+    def f32(t):
+        return t.float().double()
+
+    total = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for g in range(scale.shape[1]):
+        xb = x[:, g * group : (g + 1) * group]  # [M, <= group] fp32
+        d = xb.abs().amax(1, keepdim=True) / 127.0  # fp32 division, as the kernel's
+        qx = torch.where(d > 0, torch.round(xb / d), torch.zeros_like(xb)).clamp(-127, 127).double()
+        dot = qx @ q[:, g * group : (g + 1) * group].double().T  # [M, N], exact
+        d = d.double()
+        total = f32(total + f32(dot * f32(scale[:, g].double() * d)))
+        total = f32(total + f32(offset[:, g].double() * f32(d * qx.sum(1, keepdim=True))))
+    return (total if b is None else f32(total + b.double())).float()
+
+
 def reference(x, w, b, fmt):
-    """F.linear on the weights the format stores, widened / dequantised to fp32 (the dot product also
-    rounds the activations to bf16)."""
+    """F.linear on the weights the format stores, widened / dequantised to fp32 (the bf16 dot product also
+    rounds the activations to bf16); int8-dot: its own arithmetic (int8_dot_reference)."""
+    if fmt.startswith("int8-dot"):
+        return int8_dot_reference(x, w, b)
     if fmt == "bfloat16-dot":
         x, fmt = x.to(torch.bfloat16).float(), "bfloat16"
     return F.linear(x, w if fmt == "float32" else format_values(w, fmt), b)
@@ -126,6 +177,40 @@ def test_a_rows_output_does_not_depend_on_the_thread_count(kernels, monkeypatch)
                 assert torch.equal(outputs[1][0], outputs[1][3][:1])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("path", ["int8-dot", "int8-dot-avx2"])
+def test_int8_dot_equals_a_float64_reference_of_its_own_arithmetic_to_the_last_bit(path, kernels, monkeypatch):
+    """Protects: int8-dot (int8 weights x activations quantised per row in blocks of 32, integer sums, one fixed
+    scaling order) is exactly the arithmetic it states, on VNNI and on AVX2's instructions alike: ragged N, K not
+    a multiple of 4 or 32 (ragged last group and quad), zero blocks, symmetric and affine weight groups, 1..16
+    rows; a wrong weight or a path that rounds differently would not be equal."""
+    needs(kernels, path)
+    g = torch.Generator().manual_seed(3)
+    for n, k in SHAPES + [(96, 576)]:
+        w = torch.randn(n, k, generator=g) / k**0.5
+        w[:, : min(k, 32)] = w[:, : min(k, 32)].abs()  # a first group on the affine grid
+        b = torch.randn(n, generator=g)
+        lin = packed(kernels, w, b, path, monkeypatch)
+        x = torch.randn(16, k, generator=g) * 3
+        x[1, : min(k, 40)] = 0.0  # a zero block: d = 0
+        for m in (1, 2, 5, 16):
+            assert torch.equal(lin(x[:m]), int8_dot_reference(x[:m], w, b)), (path, n, k, m)
+    assert not torch.equal(lin(x), int8_dot_reference(x * 1.01, w, b))
+
+
+def test_int8_dot_is_refused_clearly_on_a_cpu_without_dot_product_instructions(kernels):
+    """Protects: a CPU with neither AVX512-VNNI nor AVX2 (a build whose int8-dot paths are empty) refuses int8-dot
+    by name instead of running something else; the drafter's packer falls back to int8."""
+    from dominospec.drafter.fast import Packer
+
+    class NoDot:
+        def int8_dot_paths(self):
+            return []
+
+    with pytest.raises(DominoError, match=r"int8-dot .*AVX512-VNNI or AVX2.*neither"):
+        kernel_format(NoDot(), "int8-dot")
+    assert Packer(NoDot(), "int8-dot").format == "int8"
 
 
 def test_int8_groups_take_the_better_grid_and_hold_8_and_4_bit_blocks_exactly():
@@ -238,10 +323,11 @@ def test_without_the_kernel_the_format_is_the_same_model_on_library_paths(fmt, k
         kernels_module.reset_kernels()
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + DOT)
 def test_greedy_speculative_equals_greedy_plain_of_the_same_format(fmt, kernels):
     """Protects: with bf16 / int8 weights, greedy speculative decoding (drafter at every block size, prompt
     lookup, the hybrid) is token for token the plain greedy output of that format."""
+    needs(kernels, fmt)
     t = quant_target(fmt)
     drafter = tiny_drafter(t, head="domino", block_size=4).to(torch.float32)
     for prompt in PROMPTS:
@@ -253,10 +339,11 @@ def test_greedy_speculative_equals_greedy_plain_of_the_same_format(fmt, kernels)
         assert generate_speculative(t, drafter, prompt, 32, eos_ids=[], lookup=PromptLookup()).tokens == ref
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + DOT)
 def test_engine_gives_every_greedy_request_its_plain_output_in_the_format(fmt, kernels):
     """Protects: the batched engine (rows of different lengths sharing every kernel call) keeps each greedy
     request's output equal to plain decoding of the same format, plain and speculative."""
+    needs(kernels, fmt)
     t = quant_target(fmt)
     drafter = tiny_drafter(t, head="domino", block_size=4).to(torch.float32)
     for engine in (Engine(t, max_batch=3), Engine(t, drafter, lookup=True, policy="fixed", max_batch=3)):
@@ -289,15 +376,16 @@ def test_server_answers_greedy_chat_with_the_formats_plain_output(fmt, kernels):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["int8-dot"])
 def test_sampling_at_t1_keeps_the_formats_distribution(fmt, kernels):
     """Protects: speculative sampling at T=1 commits 3-token continuations with exactly the probabilities of
     the format's own model (chi-square against enumeration through the rounded HF module)."""
+    needs(kernels, fmt)
     model = tiny_target("qwen3", vocab=8, layers=2, seed=3, dtype=torch.float32).model
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(0.7)
     target = Target(model, name="tiny-soft", backend="native", weights=fmt)
-    assert target.native.lm_head.kernel.format == fmt
+    assert target.native.lm_head.kernel.format == LAYOUTS.get(fmt, fmt)
     drafter = tiny_drafter(target, head="domino", block_size=3, seed=4).to(torch.float32)
     prompt = [1, 2, 3, 4]
 
@@ -325,23 +413,23 @@ def test_bf16_dot_product_switch_is_its_own_precision_and_stays_exact(kernels, m
 SMOL_ATTENTION = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
 
 
-def weights_of(fmt: str) -> str | None:
-    return {"float32": None, "bfloat16-dot": "bfloat16"}.get(fmt, fmt)
+def weights_of(fmt: str, monkeypatch) -> str | None:
+    """The target's --dtype for a test format (float32: None); int8-dot-avx2 forces AVX2's instructions."""
+    return {"float32": None}.get(fmt, force_path(fmt, monkeypatch))
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "bfloat16-dot"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "bfloat16-dot", "int8-dot", "int8-dot-avx2"])
 def test_a_verified_token_has_its_decode_steps_bits(fmt, kernels, monkeypatch):
     """Protects: in every weight format a token verified among others gets the very logits its own decode step
     gives: decode- and verify-sized forwards run attention one query at a time in the kernel (SDPA's masked
     multi-query and one-query paths sum in different orders, ~1e-6 apart, which bf16-rounded activations
     turned into flipped greedy answers on the bundled model: 3-6 of 16). Greedy speculative = plain holds by
     construction, not only by measurement."""
-    if fmt == "bfloat16-dot" and not kernels.has_bf16_dot():
-        pytest.skip("this CPU has no AVX512-BF16")
-    monkeypatch.setenv(BF16_DOT_SWITCH, "on" if fmt == "bfloat16-dot" else "off")
+    needs(kernels, fmt)
     # SmolLM2's attention shape (head_dim 64, 3 q heads per kv head) and a long context: where the SDPA paths
     # part (on the tiny shapes above they happen to agree)
-    native = Target(llama_fp32(0, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights_of(fmt)).native
+    weights = weights_of(fmt, monkeypatch)
+    native = Target(llama_fp32(0, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights).native
     prompt, new = [(7 * i) % 90 + 1 for i in range(150)], [5, 9, 2, 7, 7, 11, 30, 31]
     together = native.new_cache(1, 256)
     native(torch.tensor([prompt]), together, logits="none")
@@ -353,12 +441,13 @@ def test_a_verified_token_has_its_decode_steps_bits(fmt, kernels, monkeypatch):
         assert torch.equal(step[0, 0], block[0, j]), f"token {j} of the block"
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int8"])
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int8-dot", "int8-dot-avx2"])
 def test_a_row_of_a_ragged_batch_has_its_own_bits(fmt, kernels, monkeypatch):
     """Protects: the engine's ragged batches (rows at different lengths, each with its own number of new tokens)
     give every row the bits it gets alone: a request's tokens do not depend on the requests it is batched with."""
-    monkeypatch.setenv(BF16_DOT_SWITCH, "off")
-    native = Target(llama_fp32(1, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights_of(fmt)).native
+    needs(kernels, fmt)
+    weights = weights_of(fmt, monkeypatch)
+    native = Target(llama_fp32(1, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights).native
     prompts = [[(5 * i + r) % 90 + 1 for i in range(40 + 37 * r)] for r in range(3)]  # 40, 77, 114 tokens
     new = [[3, 8, 1, 4, 4, 9], [12, 13], [40, 41, 42, 43]]
     batch = native.new_cache(3, 256)
@@ -399,20 +488,19 @@ def test_the_attention_kernel_is_attention(kernels):
 def test_the_format_keys_profiles_feature_caches_and_data_records(tmp_path, kernels):
     """Protects: a device profile, a feature cache file and a data set's target record made with one weight
     format are never read for another; fp32's keys stay what they were before formats existed."""
-    targets = {fmt: quant_target(fmt) for fmt in (None, *FORMATS)}
+    has = {"int8-dot": bool(kernels.int8_dot_paths()), "bfloat16-dot": kernels.has_bf16_dot()}
+    dot = [fmt for fmt in DOT if has[fmt]]
+    targets = {fmt: quant_target(fmt) for fmt in (None, *FORMATS, *dot)}
+    labels = {"float32", "bfloat16-weights", "int8-weights"} | {f"{f.split('-')[0]}-weights-dot" for f in dot}
     profiles = {device_fingerprint(t)["dtype"] for t in targets.values()}
-    assert profiles == {"float32", "bfloat16-weights", "int8-weights"}
+    assert profiles == labels
     paths = {FeatureCache(tmp_path, t).path([0, 1], [1, 2, 3]) for t in targets.values()}
-    assert len(paths) == 3
+    assert len(paths) == len(labels)
     fp32 = targets[None]
     legacy = [fp32.fingerprint, str(fp32.dtype)]  # the key before weight formats: fp32 caches stay valid
     key = hashlib.sha256(json.dumps([legacy, [0, 1], [1, 2, 3]]).encode()).hexdigest()[:32]
     assert FeatureCache(tmp_path, fp32).path([0, 1], [1, 2, 3]).name == f"{key}.safetensors"
-    assert {target_record(t)["target_precision"] for t in targets.values()} == {
-        "float32",
-        "bfloat16-weights",
-        "int8-weights",
-    }
+    assert {target_record(t)["target_precision"] for t in targets.values()} == labels
 
 
 def model_holding(fmt: str | None, seed: int = 0):
@@ -479,20 +567,18 @@ def test_int8_is_refused_where_there_is_no_kernel_path_to_run_it(char_model):
     assert native_bf16.native is not None and native_bf16.precision == "bfloat16"
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "bfloat16-dot"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "bfloat16-dot", "int8-dot"])
 def test_the_fused_layers_compute_the_python_layers_in_every_format(fmt, kernels, monkeypatch):
     """Protects: the one-call decoder layers (DecoderLayers) read each format's panels and int8 scales as the
     Python loop does: same logits to fp32 rounding and the same greedy picks, ragged rows."""
     from dominospec.targets.native import FUSED_SWITCH
 
-    if fmt == "bfloat16-dot" and not kernels.has_bf16_dot():
-        pytest.skip("this CPU has no AVX512-BF16")
-    monkeypatch.setenv(BF16_DOT_SWITCH, "on" if fmt == "bfloat16-dot" else "off")
-    native = Target(llama_fp32(2, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights_of(fmt)).native
+    needs(kernels, fmt)
+    weights = weights_of(fmt, monkeypatch)
+    native = Target(llama_fp32(2, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights).native
     prompts = [[(3 * i + r) % 90 + 1 for i in range(20 + 13 * r)] for r in range(2)]
     new = [[4, 5, 6], [70, 71, 72, 73, 74]]
     out = fused_vs_python(native, monkeypatch, FUSED_SWITCH, prompts, new)
-    monkeypatch.setenv(BF16_DOT_SWITCH, "on" if fmt == "bfloat16-dot" else "off")
     (fused, _), (loop, _) = out["on"], out["off"]
     for r, toks in enumerate(new):
         torch.testing.assert_close(fused[r, : len(toks)], loop[r, : len(toks)], rtol=1e-4, atol=1e-4)

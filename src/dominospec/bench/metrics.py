@@ -133,12 +133,14 @@ def time_split(runs: Sequence[PromptRun]) -> dict:
     tokens = sum(r.new_tokens for r in runs)
     total = sum(r.total_s for r in runs)
     prefill = sum(r.prefill_s for r in runs)
+    prompt_tokens = sum(r.prompt_len for r in runs)
     draft = sum(r.draft_s for r in runs)
     verify = sum(r.verify_s for r in runs)
     out = {
         "cycles": cycles,
         "total_s": total,
         "prefill_ms_per_prompt": 1e3 * prefill / n if n and prefill > 0 else None,  # None: not measured
+        "prompt_tok_per_s": prompt_tokens / prefill if prefill > 0 and prompt_tokens else None,
         "ms_per_token": 1e3 * total / tokens if tokens else None,
         "draft_ms_per_cycle": None,
         "verify_ms_per_cycle": None,

@@ -81,13 +81,14 @@ def format_acceptance_table(methods: dict, key: str) -> str:
 
 def format_time_table(methods: dict) -> str:
     lines = [
-        "| method | prefill ms/prompt | draft ms/cycle | (profile) | verify ms/cycle | (profile) | other host ms/cycle "
-        "| ms/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | prefill ms/prompt | prompt tok/s | draft ms/cycle | (profile) | verify ms/cycle | (profile) "
+        "| other host ms/cycle | ms/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, m in methods.items():
         lines.append(
-            f"| {name} | {fmt(m['prefill_ms_per_prompt'], 1)} | {fmt(m['draft_ms_per_cycle'], 1)} | "
+            f"| {name} | {fmt(m['prefill_ms_per_prompt'], 1)} | {fmt(m.get('prompt_tok_per_s'), 0)} | "
+            f"{fmt(m['draft_ms_per_cycle'], 1)} | "
             f"{fmt(m.get('profile_draft_ms_per_cycle'), 1)} | {fmt(m['verify_ms_per_cycle'], 1)} | "
             f"{fmt(m.get('profile_verify_ms_per_cycle'), 1)} | {fmt(m['host_ms_per_cycle'], 1)} | "
             f"{fmt(m['ms_per_token'], 1)} |"

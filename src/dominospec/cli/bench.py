@@ -344,7 +344,7 @@ def add_parser(sub) -> None:
         default=None,
         metavar="FORMATS",
         help="comma list of weight formats the drafters stream on the packed path (float32, bfloat16, "
-        "bfloat16-dot, int8): each drafter runs once per format, side by side, its methods named "
+        "bfloat16-dot, int8, int8-dot): each drafter runs once per format, side by side, its methods named "
         "...@FORMAT; default: the target's own format (or DOMINOSPEC_DRAFTER_WEIGHTS)",
     )
     p.add_argument(

@@ -77,10 +77,12 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (bf16 on GPU; on the CPU, fp32 activations on the fewest-bytes weight format that holds the "
         "model's weights to fp32 rounding: int8 for the bundled model, bfloat16 for a bf16 checkpoint, else fp32), "
-        "float32, bfloat16, float16, int8. On the CPU with the native "
+        "float32, bfloat16, float16, int8, int8-dot, bfloat16-dot. On the CPU with the native "
         "backend, bfloat16 and int8 are weight formats (half / about a quarter of fp32's bytes; int8 "
-        "scaled per output channel and group of 32 inputs) with fp32 activations: speculative output stays "
-        "identical to plain decoding of that format",
+        "scaled per output channel and group of 32 inputs) with fp32 activations; int8-dot and bfloat16-dot "
+        "run those weights on the CPU's dot-product instructions, activations rounded too (int8 per row in "
+        "blocks of 32, as llama.cpp's Q8_0; bf16): models of their own. Speculative output stays "
+        "identical to plain decoding of the format",
     )
     p.add_argument(
         "--backend",

@@ -72,15 +72,16 @@ class Watch:
         )
 
 
-WEIGHTS_SWITCH = "DOMINOSPEC_DRAFTER_WEIGHTS"  # float32, bfloat16, bfloat16-dot, int8 or auto
-DRAFTER_FORMATS = ("float32", "bfloat16", "bfloat16-dot", "int8")
+WEIGHTS_SWITCH = "DOMINOSPEC_DRAFTER_WEIGHTS"  # float32, bfloat16, bfloat16-dot, int8, int8-dot or auto
+DRAFTER_FORMATS = ("float32", "bfloat16", "bfloat16-dot", "int8", "int8-dot")
 
 
 def drafter_weight_format(target) -> str:
     """The format the packed drafter streams its weights in: DOMINOSPEC_DRAFTER_WEIGHTS, else ("auto") the
     target's own weight format (int8 for the bundled SmolLM2 under --dtype auto), else float32. bfloat16-dot:
     bf16 weights on the CPU's bf16 dot product (AVX512-BF16; activations rounded to bf16 too), twice the
-    multiply-adds per instruction. Only the drafts' speed and acceptance depend on it: verification keeps the
+    multiply-adds per instruction; int8-dot: int8 weights x activations quantised per row to int8 (AVX512-VNNI
+    or AVX2). Only the drafts' speed and acceptance depend on it: verification keeps the
     output the target's."""
     choice = os.environ.get(WEIGHTS_SWITCH, "auto").strip().lower()
     if choice == "auto":
@@ -91,13 +92,15 @@ def drafter_weight_format(target) -> str:
 
 
 class Packer:
-    """Packs weights into the kernel's panels in one weight format (DRAFTER_FORMATS; bfloat16-dot falls back to
-    bfloat16, widened to fp32, where the CPU has no bf16 dot product)."""
+    """Packs weights into the kernel's panels in one weight format (DRAFTER_FORMATS; a dot format falls back to
+    its weights widened to fp32, bfloat16 or int8, where the CPU lacks its dot product)."""
 
     def __init__(self, module, weight_format: str):
         self.module, self.format = module, weight_format
         if weight_format == "bfloat16-dot":
             self.format = "bfloat16_pairs" if module.has_bf16_dot() else "bfloat16"
+        if weight_format == "int8-dot" and not module.int8_dot_paths():
+            self.format = "int8"
 
     def __call__(self, *weights: torch.Tensor, bias=None) -> PackedLinear:
         """One PackedLinear over the weights stacked by output rows (a fused projection)."""

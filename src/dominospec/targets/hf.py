@@ -31,8 +31,9 @@ from .load import load_model
 from .native import KVCache, NativeModel, native_support
 from .quant import (
     AUTO,
+    CPU_FORMATS,
+    DOT_FORMATS,
     INT8,
-    WEIGHT_ONLY,
     adopt_exact_format_,
     apply_weight_format_,
     precision_label,
@@ -84,7 +85,7 @@ class Target:
         self.backend_note: str | None = None  # why a requested native backend is not used
         self.exact_weights = False  # the weight format held the loaded weights (quant.holds): the same model
         why = native_support(model) if backend in ("auto", "native") else "--backend hf"
-        self.weight_only = self._apply_weights(weights, why)  # bfloat16 / int8 with fp32 activations, or None
+        self.weight_only = self._apply_weights(weights, why)  # a CPU format (quant.CPU_FORMATS), or None
         if why is None:
             self.native = NativeModel.from_hf(model, self.weight_only or "float32")
         elif backend == "native":
@@ -103,9 +104,14 @@ class Target:
             return weights
         if weights in (None, str(self.dtype).replace("torch.", "")):
             return None
-        if weights not in WEIGHT_ONLY:
-            raise DominoError(f"weights {weights!r} is not a weight-only format ({', '.join(WEIGHT_ONLY)})")
+        if weights not in CPU_FORMATS:
+            raise DominoError(f"weights {weights!r} is not a CPU weight format ({', '.join(CPU_FORMATS)})")
         if why_not_native is not None:
+            if weights in DOT_FORMATS:
+                raise DominoError(
+                    f"--dtype {weights} needs the native backend (the CPU kernel's dot product), but target "
+                    f"{self.name!r} runs on transformers: {why_not_native}"
+                )
             if weights == INT8:
                 raise DominoError(
                     f"--dtype int8 needs the native backend (int8 weights on its small-row kernel), but target "
@@ -131,9 +137,14 @@ class Target:
         rounded to that format ("-dot": bf16 on the CPU's bf16 dot product, which rounds activations too).
         A format that held the loaded weights (to fp32 rounding, quant.holds) is the same model: its precision is
         the plain dtype's."""
-        if self.exact_weights and not (self.native is not None and self.native.bf16_dot):
+        if self.exact_weights and not self.rounds_activations:
             return str(self.dtype).replace("torch.", "")
         return self.run_precision
+
+    @property
+    def rounds_activations(self) -> bool:
+        """The forward rounds activations too (a dot format: int8-dot, bfloat16-dot or DOMINOSPEC_BF16_DOT=on)."""
+        return self.weight_only in DOT_FORMATS or (self.native is not None and self.native.bf16_dot)
 
     @property
     def run_precision(self) -> str:

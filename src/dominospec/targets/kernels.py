@@ -1,14 +1,17 @@
-"""The small-M linear kernel (small_m_linear.cpp): built once per machine, loaded at first use.
+"""The CPU kernels (cpu_kernels/: the small-row linear, attention, the fused decoder layers): built once per
+machine, loaded at first use.
 
 Why: decode multiplies 1 row and verify 2-17 rows by every weight of the model. Library GEMMs
 either stream the weights slower for 2+ rows than a GEMV does for one, or re-pack W on every call;
-this kernel packs W once into panels and streams it once for all rows (see the .cpp file), so a
+this kernel packs W once into panels and streams it once for all rows (cpu_kernels/linear.cpp), so a
 verify pass of a few rows costs about what a decode step costs. Panels hold fp32, bf16 or int8
 weights (quant.py: --dtype bfloat16 / int8 on CPU); activations and sums are fp32 in every format.
 
+The sources are split by concern (simd.h, one format_*.h per weight format, pack.cpp, linear.cpp,
+attention.cpp, decoder_layers.cpp); module.cpp binds them and states the Python <-> C++ contract once.
 The extension is compiled with torch.utils.cpp_extension (-O3 -march=native) into
-<cache>/kernels/<key>, the key covering the source, torch's version and the CPU's flags, and a
-later process imports the built library directly. Without a compiler (or with
+<cache>/kernels/cpu_kernels_<key>, the key covering every source file, torch's version and the CPU's
+flags, and a later process imports the built library directly. Without a compiler (or with
 DOMINOSPEC_KERNELS=off) `load_kernels()` returns None and `Linear` keeps its library paths.
 """
 
@@ -25,10 +28,11 @@ from pathlib import Path
 
 import torch
 
+from ..errors import DominoError
 from ..io import cache_dir
 from ..log import log, log_once
 
-SOURCE = Path(__file__).with_name("small_m_linear.cpp")
+SOURCES = Path(__file__).with_name("cpu_kernels")  # the C++ sources: *.cpp compiled, *.h included
 ENV_SWITCH = "DOMINOSPEC_KERNELS"  # "off": today's library paths only (for A/B runs)
 
 _loaded: dict[str, object] = {}  # "module" -> the extension, or None once a build was refused/failed
@@ -50,16 +54,21 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def build_key() -> str:
-    """What a built kernel is valid for: its source, this torch, this CPU's instruction sets (once a process)."""
+    """What a built kernel is valid for: every source file, this torch, this CPU's instruction sets (once a process)."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), platform.machine().encode()):
+    sources = [f.name.encode() + b"\0" + f.read_bytes() for f in _source_files()]
+    for part in (*sources, torch.__version__.encode(), _cpu_flags().encode(), platform.machine().encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
+def _source_files() -> list[Path]:
+    return sorted(f for f in SOURCES.iterdir() if f.suffix in (".cpp", ".h"))
+
+
 def kernel_dir() -> Path:
-    return cache_dir() / "kernels" / f"small_m_linear_{build_key()}"
+    return cache_dir() / "kernels" / f"cpu_kernels_{build_key()}"
 
 
 def _import_built(name: str, directory: Path):
@@ -83,10 +92,10 @@ def _build(name: str, directory: Path):
     directory.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
     t0 = time.perf_counter()
-    log(f"building the small-M linear kernel into {directory} (once per machine and torch version)")
+    log(f"building the CPU kernels into {directory} (once per machine and torch version)")
     module = cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(f) for f in _source_files() if f.suffix == ".cpp"],
         build_directory=str(directory),
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
@@ -97,21 +106,21 @@ def _build(name: str, directory: Path):
 
 
 def load_kernels():
-    """The compiled extension (module with pack/linear/panel_width), or None where it cannot be had."""
+    """The compiled extension (its functions: cpu_kernels/module.cpp), or None where it cannot be had."""
     if "module" in _loaded:
         return _loaded["module"]
     module = None
     if not kernels_enabled():
         pass
     elif platform.system() != "Linux" or shutil.which(os.environ.get("CXX", "c++")) is None:
-        log_once("no C++ compiler found (or not Linux): the small-M linear kernel is off; library GEMMs are used")
+        log_once("no C++ compiler found (or not Linux): the CPU kernels are off; library GEMMs are used")
     else:
         directory = kernel_dir()
-        name = f"dominospec_small_m_{build_key()}"
+        name = f"dominospec_cpu_kernels_{build_key()}"
         try:
             module = _import_built(name, directory) or _build(name, directory)
         except Exception as exc:  # a broken toolchain must not stop decoding: fall back to the library paths
-            log_once(f"the small-M linear kernel did not build ({type(exc).__name__}: {exc}); library GEMMs are used")
+            log_once(f"the CPU kernels did not build ({type(exc).__name__}: {exc}); library GEMMs are used")
             module = None
     _loaded["module"] = module
     return module
@@ -153,20 +162,48 @@ def bf16_dot_available(module) -> bool:
     return True
 
 
+INT8_DOT_PATH = "DOMINOSPEC_INT8_DOT_PATH"  # auto, avx512-vnni or avx2: which instructions run int8-dot
+
+
+def int8_dot_available(module) -> bool:
+    """This build has an int8-dot path (AVX512-VNNI or AVX2), the one DOMINOSPEC_INT8_DOT_PATH names if it names one."""
+    paths = list(module.int8_dot_paths())
+    choice = os.environ.get(INT8_DOT_PATH, "auto").strip().lower()
+    if choice not in ("", "auto"):
+        if choice not in paths:
+            raise DominoError(
+                f"{INT8_DOT_PATH}={choice}: this CPU's build has {', '.join(paths) or 'no int8-dot path'}"
+            )
+        module.set_int8_dot_path(choice)
+    elif paths:
+        module.set_int8_dot_path(paths[0])
+    return bool(paths)
+
+
 def kernel_format(module, weight_format: str) -> str:
-    """The panel layout a weight format packs into: float32, bfloat16, bfloat16_pairs (dot product) or int8."""
+    """The panel layout a weight format packs into: float32, bfloat16, int8, bfloat16_pairs (bfloat16-dot, or
+    bfloat16 with DOMINOSPEC_BF16_DOT=on) or int8_quads (int8-dot). A dot format the CPU lacks is refused."""
     if weight_format == "bfloat16" and bf16_dot_available(module):
         return "bfloat16_pairs"
+    if weight_format == "bfloat16-dot":
+        if not module.has_bf16_dot():
+            raise DominoError("bfloat16-dot runs on AVX512-BF16's dot product, which this CPU does not have")
+        return "bfloat16_pairs"
+    if weight_format == "int8-dot":
+        if not int8_dot_available(module):
+            raise DominoError("int8-dot runs on AVX512-VNNI or AVX2 integer dot products; this CPU has neither")
+        return "int8_quads"
     return weight_format
 
 
 class PackedLinear:
     """W packed into the kernel's panels once; y = x @ W^T + b for x [..., K] with few rows.
 
-    weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes) or int8
+    weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes), int8
     (quant.quantize_int8: a quarter of the bytes, plus an fp32 scale and offset per column and
-    INT8_GROUP inputs).
-    Activations and accumulation stay fp32 (bf16 dot product: activations rounded to bf16 too).
+    INT8_GROUP inputs), or the dot-product formats bfloat16-dot / int8-dot (the same weights;
+    activations rounded to bf16, or quantised per row to int8 in blocks of INT8_GROUP, by the kernel).
+    Activations and accumulation stay fp32 otherwise. The C++ side of this contract: cpu_kernels/module.cpp.
     """
 
     def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str = "float32"):
@@ -176,12 +213,14 @@ class PackedLinear:
         self.out_features = weight.shape[0]
         self.format = kernel_format(module, weight_format)
         w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
-        if self.format == "int8":
+        if self.format in ("int8", "int8_quads"):
             q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
             w, self.group = q.float(), INT8_GROUP
             # [P, G, 2, NR]: per panel and group, its columns' scales, then their offsets
             self.scale = torch.stack([module.pack(scale, "float32"), module.pack(offset, "float32")], dim=2)
-        self.panels = module.pack(w, self.format)  # [ceil(N / NR), K, NR] (pairs: [.., ceil(K / 2), NR, 2])
+        self.panels = module.pack(
+            w, self.format
+        )  # [ceil(N / NR), K, NR] (pairs / quads: [.., ceil(K / 2 or 4), NR, 2 or 4])
         self.bias = None if bias is None else bias.detach().contiguous()
 
     @property

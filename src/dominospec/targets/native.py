@@ -21,9 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import DominoError
 from ..log import log_once
 from .kernels import ENV_SWITCH, PackedLinear, kernels_enabled, load_kernels
-from .quant import WEIGHT_ONLY, format_values
+from .quant import CPU_FORMATS, DOT_FORMATS, format_values
 
 NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 PER_QUERY_MAX = 16  # forwards of at most this many new tokens per row: attention one query at a time (forward)
@@ -135,7 +136,7 @@ class Linear(nn.Module):
         self.out_features, in_features = weight.shape
         self.packed = self.weight_t = self.kernel = None
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            if weight_format in WEIGHT_ONLY:
+            if weight_format in CPU_FORMATS:
                 raise ValueError(f"{weight_format} weights need fp32 CPU weights, not {weight.dtype} ({weight.device})")
             return
         module = load_kernels()
@@ -143,7 +144,9 @@ class Linear(nn.Module):
             self.kernel = PackedLinear(module, weight, bias, weight_format)
             self.weight = None  # the panels serve every row count (frees a fused copy)
             return
-        if weight_format in WEIGHT_ONLY:  # no kernel: the format's values, fp32 library paths
+        if weight_format in DOT_FORMATS:
+            raise DominoError(f"{weight_format} runs on the CPU kernels' dot product, and they did not load here")
+        if weight_format in CPU_FORMATS:  # no kernel: the format's values, fp32 library paths
             log_once(without_kernel_note(weight_format))
             weight = format_values(weight, weight_format)
             self.weight = nn.Parameter(weight, requires_grad=False)  # the slot may hold a shared HF Parameter

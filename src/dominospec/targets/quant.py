@@ -31,6 +31,10 @@ from ..devices import DTYPES, resolve_device
 from ..errors import DominoError
 
 WEIGHT_ONLY = ("bfloat16", "int8")  # formats with fp32 activations (the kernel widens the weights)
+# formats on the CPU's dot-product instructions -> the weights they store: the kernel rounds the activations too
+# (bf16, or int8 per row in blocks of INT8_GROUP), so each is a model of its own
+DOT_FORMATS = {"bfloat16-dot": "bfloat16", "int8-dot": "int8"}
+CPU_FORMATS = WEIGHT_ONLY + tuple(DOT_FORMATS)  # every format the native CPU kernel packs
 INT8 = "int8"
 AUTO = "auto"  # --dtype auto on the CPU: the fewest-bytes format that holds the loaded weights (adopt_exact_format_)
 INT8_GROUP = 32  # inputs per int8 scale and offset (llama.cpp's Q8_0 and Q4_1 blocks are 32 wide too)
@@ -82,12 +86,14 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, 
 
 
 def format_values(w: torch.Tensor, weight_format: str) -> torch.Tensor:
-    """w [N, K] as the format stores it, back in fp32: what every path of a weight-only target computes with."""
+    """w [N, K] as the format stores it, back in fp32: what every path of a weight-only target computes with
+    (a dot format's weights: those of the format it stores, DOT_FORMATS)."""
+    weight_format = DOT_FORMATS.get(weight_format, weight_format)
     if weight_format == "bfloat16":
         return w.detach().to(torch.bfloat16).float()
     if weight_format == INT8:
         return dequantize_int8(*quantize_int8(w, INT8_GROUP), INT8_GROUP)
-    raise ValueError(f"{weight_format!r} is not a weight-only format ({', '.join(WEIGHT_ONLY)})")
+    raise ValueError(f"{weight_format!r} is not a CPU weight format ({', '.join(CPU_FORMATS)})")
 
 
 def linear_layers(model: nn.Module) -> list[nn.Linear]:
@@ -151,6 +157,13 @@ def weight_only_format(dtype, device: str | torch.device | None, backend: str) -
     dev = resolve_device(device if isinstance(device, str) or device is None else str(device))
     if dtype in (None, AUTO):  # the CPU's fp32 model on the fewest bytes that hold it exactly (Target decides)
         return AUTO if dev.type == "cpu" and backend != "hf" else None
+    if dtype in DOT_FORMATS:
+        if backend == "hf" or dev.type != "cpu":
+            raise DominoError(
+                f"--dtype {dtype} runs on the CPU's dot-product instructions in the native backend's kernel "
+                f"(device {dev.type}, backend {backend}): use --device cpu with --backend native or auto"
+            )
+        return dtype
     if dtype == INT8:
         if backend == "hf":
             raise DominoError(
@@ -167,8 +180,11 @@ def weight_only_format(dtype, device: str | torch.device | None, backend: str) -
 
 def precision_label(dtype: torch.dtype, weight_format: str | None, bf16_dot: bool = False) -> str:
     """How a target computes, as identities record it: the dtype for a plain model ("float32",
-    "bfloat16"), else "<format>-weights" (fp32 activations), "-dot" where bf16 runs on the CPU's
-    bf16 dot product (which rounds activations too)."""
+    "bfloat16"), else "<format>-weights" (fp32 activations), "<stored>-weights-dot" for a dot format
+    (int8-dot: "int8-weights-dot") or where bf16 runs on the CPU's bf16 dot product through
+    DOMINOSPEC_BF16_DOT (both round the activations too)."""
+    if weight_format in DOT_FORMATS:
+        return f"{DOT_FORMATS[weight_format]}-weights-dot"
     if weight_format not in WEIGHT_ONLY:
         return str(dtype).replace("torch.", "")
     return f"{weight_format}-weights" + ("-dot" if bf16_dot and weight_format == "bfloat16" else "")
