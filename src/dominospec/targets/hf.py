@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from ..errors import DominoError
-from . import panel_cache
 from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
-from .kernels import active_build
+from .kernels import active_build, build_key, load_kernels
 from .load import load_model
 from .native import KVCache, NativeModel, native_support
+from .panel_cache import formatted_weights, saved_packing
 from .quant import (
     AUTO,
     CPU_FORMATS,
@@ -43,6 +43,11 @@ from .quant import (
 )
 
 BACKENDS = ("auto", "native", "hf")
+
+
+def _kernel_build() -> str | None:
+    """The CPU kernel's build key (loading it), or None where it is off or cannot be built."""
+    return build_key() if load_kernels() is not None else None
 
 
 @dataclass
@@ -88,7 +93,7 @@ class Target:
         self.exact_weights = False  # the weight format held the loaded weights (quant.holds): the same model
         why = native_support(model) if backend in ("auto", "native") else "--backend hf"
         # the weights' format and packed panels, from the cache where an earlier process saved them (panel_cache.py)
-        with panel_cache.session(model, weights) if why is None else nullcontext() as saved:
+        with saved_packing(model, weights, _kernel_build) if why is None else nullcontext() as saved:
             self.weight_only = self._apply_weights(weights, why)  # a CPU format (quant.CPU_FORMATS), or None
             if why is None:
                 self.native = NativeModel.from_hf(model, self.weight_only or "float32")
@@ -104,7 +109,7 @@ class Target:
             if why_not_native is not None or self.dtype != torch.float32 or self.device.type != "cpu":
                 return None
             _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rewritten
-            weights = panel_cache.formatted(self.model, adopt_exact_format_)
+            weights = formatted_weights(self.model, adopt_exact_format_)
             self.exact_weights = weights is not None
             return weights
         if weights in (None, str(self.dtype).replace("torch.", "")):
@@ -127,7 +132,7 @@ class Target:
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise DominoError(f"{weights} weights need an fp32 model on the CPU, got {self.dtype} on {self.device}")
         _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rounded
-        self.exact_weights = panel_cache.formatted(self.model, lambda m: apply_weight_format_(m, weights))
+        self.exact_weights = formatted_weights(self.model, lambda m: apply_weight_format_(m, weights))
         return weights
 
     @property

@@ -31,7 +31,7 @@ import torch
 from ..errors import DominoError
 from ..io import cache_dir
 from ..log import log, log_once, ticking
-from . import panel_cache
+from .panel_cache import keep_panels, saved_panels
 
 SOURCES = Path(__file__).with_name("cpu_kernels")  # the C++ sources: *.cpp compiled, *.h included
 ENV_SWITCH = "DOMINOSPEC_KERNELS"  # "off": today's library paths only (for A/B runs)
@@ -215,7 +215,7 @@ class PackedLinear:
         self.out_features = weight.shape[0]
         self.format = kernel_format(module, weight_format)
         self.bias = None if bias is None else bias.detach().contiguous()
-        saved = panel_cache.take(tuple(weight.shape), self.format)  # an earlier process's panels of this weight
+        saved = saved_panels(tuple(weight.shape), self.format)  # an earlier process's panels of this weight
         if saved is not None:
             self.panels, self.scale, self.group = saved
             return
@@ -228,7 +228,7 @@ class PackedLinear:
         self.panels = module.pack(
             w, self.format
         )  # [ceil(N / NR), K, NR] (pairs / quads: [.., ceil(K / 2 or 4), NR, 2 or 4])
-        panel_cache.keep(tuple(weight.shape), self.format, self.panels, self.scale, self.group)
+        keep_panels(tuple(weight.shape), self.format, self.panels, self.scale, self.group)
 
     @property
     def nbytes(self) -> int:

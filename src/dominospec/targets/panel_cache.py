@@ -147,15 +147,15 @@ def model_files(model) -> tuple[Path, list] | None:
 
 
 @contextlib.contextmanager
-def session(model, weights: str | None):
+def saved_packing(model, weights: str | None, kernel_build):
     """While a Target builds its weights and native model: saved results are used, fresh ones saved at the end.
+    kernel_build(): the CPU kernel's build key, loading it, or None without one (kernels.py).
     Yields the Session, or None where nothing is cached (not a local directory, no kernel, not an fp32 CPU model)."""
-    from .kernels import build_key, load_kernels
-
     found = model_files(model)
     head = model.get_output_embeddings()
     cpu_fp32 = head is not None and head.weight.device.type == "cpu" and head.weight.dtype == torch.float32
-    if found is None or not cpu_fp32 or load_kernels() is None:
+    build = kernel_build() if found is not None and cpu_fp32 else None
+    if build is None:
         yield None
         return
     directory, files = found
@@ -165,7 +165,7 @@ def session(model, weights: str | None):
         "model": str(directory),
         "files": files,
         "weights": weights,
-        "kernel": build_key(),
+        "kernel": build,
         "switches": {name: os.environ.get(name, "") for name in SWITCHES},
     }
     name = hashlib.sha256(str(directory).encode()).hexdigest()[:12]
@@ -179,19 +179,19 @@ def session(model, weights: str | None):
     s.save()
 
 
-def formatted(model, compute):
+def formatted_weights(model, compute):
     """compute(model) (a weight format applied in place), or its saved result inside a session."""
     s = _active.get()
     return compute(model) if s is None else s.formatted(model, compute)
 
 
-def take(shape: tuple, fmt: str):
-    """PackedLinear's hook: saved (panels, scale, group) for the next weight, or None (pack it, then `keep`)."""
+def saved_panels(shape: tuple, fmt: str):
+    """PackedLinear's hook: saved (panels, scale, group) for the next weight, or None (pack it, then `keep_panels`)."""
     s = _active.get()
     return None if s is None else s.take(shape, fmt)
 
 
-def keep(shape: tuple, fmt: str, panels, scale, group: int) -> None:
+def keep_panels(shape: tuple, fmt: str, panels, scale, group: int) -> None:
     s = _active.get()
     if s is not None:
         s.keep(shape, fmt, panels, scale, group)
