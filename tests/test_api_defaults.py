@@ -56,3 +56,33 @@ def test_api_generate_gives_the_cli_tokens(capsys, cli_smollm, drafter):
     assert (cli_smollm.decode(res.tokens), res.new_tokens) == (out["text"], out["new_tokens"])
     assert (res.cycles, res.lookup_cycles) == (out["cycles"], out["lookup_cycles"])  # the same proposer ran
     assert torch.get_num_threads() == threads_to_use(None)[0]
+
+
+def _result(accepted: list[int], lookup_cycles=0):
+    """A run of len(accepted) cycles at block 2, each accepting that many drafts."""
+    from dominospec.decode.result import GenerationResult
+
+    n = len(accepted)
+    return GenerationResult([1, 2], 1, cycles=n, block_size=2, accepted=accepted, lookup_cycles=lookup_cycles)
+
+
+def test_an_undrafted_run_is_explained_in_words():
+    from dominospec.cli.generate import undrafted_note
+
+    lookup = parse_spec("generate", flags=False)
+    assert "prompt lookup found nothing to copy; the drafter was not used" in undrafted_note(lookup, _result([0, 0]))
+    assert "accepted none" in undrafted_note(lookup, _result([0, 0], lookup_cycles=2))
+    assert undrafted_note(lookup, _result([1, 0], lookup_cycles=2)) is None
+    assert undrafted_note(parse_spec("generate", drafter="none", flags=False), _result([])) is None
+
+
+def test_head_of_the_root_answers_200():
+    import httpx
+    from conftest import serve_in_thread, tiny_chat_target
+
+    from dominospec.engine import Engine
+
+    target = tiny_chat_target()
+    with serve_in_thread(Engine(target, max_batch=1), target) as base:
+        head = httpx.head(f"{base}/")  # a reachability check (curl -I) gets what GET would, without the body
+        assert head.status_code == 200 and head.content == b""

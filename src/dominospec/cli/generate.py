@@ -82,17 +82,22 @@ def cmd_generate(args) -> int:
     for note in res.notes:
         log(note)
     mode, configuration = spec.proposer if spec.speculative else "plain", spec.describe()
+    drawn = {"temperature": sampling.temperature, "seed": spec.seed}
     if args.json:
-        print(json.dumps({**res.to_dict(text), "configuration": configuration}))
+        print(json.dumps({**res.to_dict(text), "configuration": configuration, **drawn}))
         return 0
     tau = f", tau {res.tau:.2f} over {res.cycles} cycles (block {res.block_size})" if res.cycles else ""
     skipped = f", {res.draft_skipped} cycles without drafting" if res.draft_skipped else ""
     print(
         f"\n\n[{configuration}] {res.new_tokens} tokens in {res.total_s:.2f}s = {res.tokens_per_s:.1f} tok/s"
         + tau
-        + skipped,
+        + skipped
+        + f"; temperature {sampling.temperature:g}, seed {spec.seed}",
         file=sys.stderr,
     )
+    undrafted = undrafted_note(spec, res)
+    if undrafted:
+        print(f"[{mode}] {undrafted}", file=sys.stderr)
     if colour:
         print(f"[{mode}] colours: {LEGEND}", file=sys.stderr)
     if res.cycles:
@@ -104,6 +109,20 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def undrafted_note(spec, res) -> str | None:
+    """A run that copied or accepted no draft, in words (its speed was plain decoding's), else None."""
+    if not spec.speculative or not res.cycles or sum(res.accepted_per_position):
+        return None
+    if spec.proposer == "lookup":
+        if res.lookup_cycles:
+            return "prompt lookup found copies, but the target accepted none of them; the drafter was not used"
+        return (
+            "prompt lookup found nothing to copy; the drafter was not used (the default has none: "
+            "--drafter shipped runs it)"
+        )
+    return "the target accepted no draft in this answer (drafts cost a verify each; none paid)"
 
 
 class MarkedPrinter:
