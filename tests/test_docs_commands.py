@@ -10,8 +10,11 @@ program no document runs any more must leave it.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -154,3 +157,21 @@ def test_every_skipped_program_is_still_in_the_documents():
     programs = {words_of(p)[0] for _, c in COMMANDS for p in re.split(r"\s&&?\s|\s;\s", c) if words_of(p)}
     stale = sorted(set(SKIPPED) - programs)
     assert not stale, f"SKIPPED names programs no document runs any more: {stale}"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_examples_answer_against_a_real_server():
+    """Each documented curl, as written, against a server on a tiny chat model (its address swapped in)."""
+    from conftest import serve_in_thread, tiny_chat_target
+
+    from dominospec.engine import Engine
+
+    curls = [(w, c) for w, c in COMMANDS if words_of(c)[:1] == ["curl"]]
+    assert curls
+    target = tiny_chat_target()
+    with serve_in_thread(Engine(target, max_batch=1), target) as base:
+        for where, command in curls:
+            words = [re.sub(r"^(https?://)?localhost:8000", base, w) for w in words_of(command)]
+            done = subprocess.run([*words, "--fail-with-body"], capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, f"{where}: {done.stdout} {done.stderr}"
+            assert json.loads(done.stdout)["choices"], where
