@@ -52,6 +52,7 @@ def test_api_generate_gives_the_cli_tokens(capsys, cli_smollm, drafter):
     prompt = "Write a Python function that returns the square of x."
     rc, out, _ = run_cli_json(capsys, "generate", prompt, "--max-new-tokens", 24, "--json", *words)
     assert rc == 0
+    assert (out["temperature"], out["seed"]) == (0.0, 0)  # what was drawn with, in the record
     res = dominospec.generate(cli_smollm, prompt, 24, drafter=drafter)
     assert (cli_smollm.decode(res.tokens), res.new_tokens) == (out["text"], out["new_tokens"])
     assert (res.cycles, res.lookup_cycles) == (out["cycles"], out["lookup_cycles"])  # the same proposer ran
