@@ -169,9 +169,10 @@ def add_parser(sub) -> None:
         help="generate text with speculative decoding",
         description="Generate a reply to PROMPT (chat template applied) with Domino speculative "
         "decoding; prints the text, tokens/s, tau and the configuration that ran. Default: prompt lookup "
-        "with verify cost (drafts verified only where they pay on this device), the configuration that "
-        "measured best on held-out prompts with the shipped drafter (docs/speed.md); --drafter shipped or "
-        "DIR adds a trained drafter (with lookup: the hybrid).",
+        "alone with verify cost (drafts verified only where they pay on this device), the configuration that "
+        "measured fastest at batch 1 (docs/speed.md); it drafts only where the prompt or the answer repeats. "
+        "--drafter shipped runs the trained drafter shipped for the bundled target, --drafter DIR your own "
+        "(with lookup: the hybrid).",
     )
     p.add_argument("prompt", help="the user message")
     add_target_args(p)
