@@ -172,12 +172,12 @@ def paced_engine(target: Target, pause: float, **engine_kw):
 def private_profile_cache(tmp_path_factory):
     """The suite's device profiles never reach the user's cache: timings taken while tests load the machine
     (and tables sized for tiny test drafters) would be read later by `--verify cost` and `--block-size auto`
-    as this machine's costs. Converted models, compiled kernels and tokenizers stay shared: they are slow to
-    make and do not depend on load."""
+    as this machine's costs. Converted models, compiled kernels, saved packed weights and tokenizers stay
+    shared: they are slow to make and do not depend on load."""
     from dominospec.io import cache_dir
 
     real, private = cache_dir(), tmp_path_factory.mktemp("dominospec-cache")
-    for shared in ("models", "kernels", "tokenizers"):
+    for shared in ("models", "kernels", "tokenizers", "panels"):
         (real / shared).mkdir(parents=True, exist_ok=True)
         (private / shared).symlink_to(real / shared, target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:

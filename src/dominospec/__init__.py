@@ -22,6 +22,7 @@ from .drafter import Drafter, DrafterConfig
 from .errors import DominoError
 from .sampling import SamplingConfig
 from .targets import Target
+from .tune.spec import generate
 from .version import __version__
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "Target",
     "GenerationResult",
     "SamplingConfig",
+    "generate",
     "generate_autoregressive",
     "generate_speculative",
     "__version__",

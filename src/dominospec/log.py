@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+import time
 
 _said: set[str] = set()
 
@@ -16,3 +19,21 @@ def log_once(msg: str) -> None:
     if msg not in _said:
         _said.add(msg)
         log(msg)
+
+
+@contextlib.contextmanager
+def ticking(what: str, every_s: float = 15.0):
+    """While the block runs, say every `every_s` seconds how long `what` has taken (long, otherwise silent work)."""
+    stop, t0 = threading.Event(), time.perf_counter()
+
+    def tick() -> None:
+        while not stop.wait(every_s):
+            log(f"{what}: {time.perf_counter() - t0:.0f} s so far")
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

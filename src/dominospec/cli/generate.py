@@ -82,17 +82,22 @@ def cmd_generate(args) -> int:
     for note in res.notes:
         log(note)
     mode, configuration = spec.proposer if spec.speculative else "plain", spec.describe()
+    drawn = {"temperature": sampling.temperature, "seed": spec.seed}
     if args.json:
-        print(json.dumps({**res.to_dict(text), "configuration": configuration}))
+        print(json.dumps({**res.to_dict(text), "configuration": configuration, **drawn}))
         return 0
     tau = f", tau {res.tau:.2f} over {res.cycles} cycles (block {res.block_size})" if res.cycles else ""
     skipped = f", {res.draft_skipped} cycles without drafting" if res.draft_skipped else ""
     print(
         f"\n\n[{configuration}] {res.new_tokens} tokens in {res.total_s:.2f}s = {res.tokens_per_s:.1f} tok/s"
         + tau
-        + skipped,
+        + skipped
+        + f"; temperature {sampling.temperature:g}, seed {spec.seed}",
         file=sys.stderr,
     )
+    undrafted = undrafted_note(spec, res)
+    if undrafted:
+        print(f"[{mode}] {undrafted}", file=sys.stderr)
     if colour:
         print(f"[{mode}] colours: {LEGEND}", file=sys.stderr)
     if res.cycles:
@@ -104,6 +109,20 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def undrafted_note(spec, res) -> str | None:
+    """A run that copied or accepted no draft, in words (its speed was plain decoding's), else None."""
+    if not spec.speculative or not res.cycles or sum(res.accepted_per_position):
+        return None
+    if spec.proposer == "lookup":
+        if res.lookup_cycles:
+            return "prompt lookup found copies, but the target accepted none of them; the drafter was not used"
+        return (
+            "prompt lookup found nothing to copy; the drafter was not used (the default has none: "
+            "--drafter shipped runs it)"
+        )
+    return "the target accepted no draft in this answer (drafts cost a verify each; none paid)"
 
 
 class MarkedPrinter:
@@ -150,9 +169,10 @@ def add_parser(sub) -> None:
         help="generate text with speculative decoding",
         description="Generate a reply to PROMPT (chat template applied) with Domino speculative "
         "decoding; prints the text, tokens/s, tau and the configuration that ran. Default: prompt lookup "
-        "with verify cost (drafts verified only where they pay on this device), the configuration that "
-        "measured best on held-out prompts with the shipped drafter (docs/speed.md); --drafter shipped or "
-        "DIR adds a trained drafter (with lookup: the hybrid).",
+        "alone with verify cost (drafts verified only where they pay on this device), the configuration that "
+        "measured fastest at batch 1 (docs/speed.md); it drafts only where the prompt or the answer repeats. "
+        "--drafter shipped runs the trained drafter shipped for the bundled target, --drafter DIR your own "
+        "(with lookup: the hybrid).",
     )
     p.add_argument("prompt", help="the user message")
     add_target_args(p)

@@ -7,6 +7,7 @@ import importlib.util
 import ipaddress
 import os
 import socket
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ def need_serve_extra() -> None:
 
 
 def cmd_serve(args) -> int:
+    started = time.monotonic()
     need_serve_extra()
     from ..engine import Engine
     from ..serve import LOOPBACK_HOSTS, ServeConfig, make_server
@@ -69,7 +71,7 @@ def cmd_serve(args) -> int:
     # a request without a seed draws one from torch's global generator (decode/step.py make_generator):
     # seeded from the OS here, so each server process answers such requests with fresh randomness
     torch.seed()
-    make_server(engine, target, config, host=args.host, port=args.port, log_level=args.log_level).run()
+    make_server(engine, target, config, host=args.host, port=args.port, log_level=args.log_level, started=started).run()
     log("serve: stopped")
     return 0
 

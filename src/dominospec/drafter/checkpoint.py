@@ -35,6 +35,26 @@ def shipped_drafter_dir(target_name: str) -> Path:
     return SHIPPED_ROOT / target_name
 
 
+def named_drafter_dir(name: str | os.PathLike, target_name: str | None = None) -> Path:
+    """The directory a drafter name means, as the command line reads --drafter: "shipped" (the drafter shipped for
+    `target_name`, by default the bundled target) or a target alias the package ships a drafter for (when no
+    directory of that name exists here); anything else is a directory path."""
+    word = str(name)
+    if word == "shipped":
+        from ..targets.load import DEFAULT_TARGET
+
+        word = target_name or DEFAULT_TARGET
+        if not (shipped_drafter_dir(word) / CONFIG_NAME).exists():
+            raise DominoError(
+                f"no drafter is shipped for {word!r}: the package ships one for {DEFAULT_TARGET!r}; "
+                "train one with `dominospec train` and load its directory"
+            )
+        return shipped_drafter_dir(word)
+    if not Path(word).exists() and (shipped_drafter_dir(word) / CONFIG_NAME).exists():
+        return shipped_drafter_dir(word)
+    return Path(name)
+
+
 def is_shipped(directory: str | os.PathLike) -> bool:
     """True for a directory inside the installed package's shipped drafters (never written to by default)."""
     try:

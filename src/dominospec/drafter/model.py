@@ -23,7 +23,14 @@ from ..errors import DominoError
 from ..targets.features import check_layer_ids
 from ..targets.kernels import load_kernels
 from ..targets.native import KVCache
-from .checkpoint import CONFIG_NAME, check_draft_vocab, check_state, read_checkpoint, save_checkpoint
+from .checkpoint import (
+    CONFIG_NAME,
+    check_draft_vocab,
+    check_state,
+    named_drafter_dir,
+    read_checkpoint,
+    save_checkpoint,
+)
 from .config import DrafterConfig
 from .fast import PackedDrafter, drafter_weight_format, fast_enabled, watched_tensors
 from .heads import HEADS, ConfidenceHead
@@ -482,7 +489,9 @@ class Drafter(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, target=None) -> Drafter:
-        """Load a drafter directory; with `target`, also check the fit and attach to it."""
+        """Load a drafter directory; with `target`, also check the fit and attach to it. "shipped" (or the bundled
+        target's alias, "smollm2-135m") names the drafter shipped for `target` (checkpoint.named_drafter_dir)."""
+        directory = named_drafter_dir(directory, getattr(target, "name", None))
         config, state, w_path = read_checkpoint(directory)
         model = cls(config)
         check_state(state, model.state_dict(), w_path, Path(directory) / CONFIG_NAME)

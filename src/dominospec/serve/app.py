@@ -139,7 +139,7 @@ def create_app(engine, target, config: ServeConfig, gate: Gate | None = None) ->
         check_model(model_id, config.model_name)
         return model_card()
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])  # HEAD: a reachability check gets 200, as GET would
     async def playground():
         return playground_file("index.html")
 

@@ -22,10 +22,20 @@ from .app import Gate, ServeConfig, create_app
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with a drain between the signal and the stop."""
 
-    def __init__(self, config: uvicorn.Config, gate: Gate, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, gate: Gate, drain_timeout: float, started: float | None = None):
         super().__init__(config)
         self.gate, self.drain_timeout = gate, drain_timeout
         self.drain_deadline: float | None = None
+        self.started_at = started  # time.monotonic() when the command began, for the ready line
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.started_at is not None:  # listening: say so, and how long the start took
+            c = self.config
+            log(
+                f"serve: ready on http://{c.host}:{c.port} ({time.monotonic() - self.started_at:.1f} s after the "
+                "command started)"
+            )
 
     def handle_exit(self, sig: int, frame) -> None:
         # uvicorn would re-raise a captured signal after stopping (exit status 128+n); a drain is a clean exit
@@ -83,8 +93,10 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "warning",
+    started: float | None = None,
 ) -> DrainingServer:
-    """The server over `engine` (started with the app, shut down with it); `.run()` blocks until it stops."""
+    """The server over `engine` (started with the app, shut down with it); `.run()` blocks until it stops.
+    started: time.monotonic() when the command began; the server then logs a ready line with the time taken."""
     gate = Gate()
     app = create_app(engine, target, config, gate)
     uv_config = uvicorn.Config(
@@ -97,7 +109,7 @@ def make_server(
         lifespan="on",
         http=HeadTimeoutProtocol,
     )
-    return DrainingServer(uv_config, gate, drain_timeout=config.request_timeout)
+    return DrainingServer(uv_config, gate, drain_timeout=config.request_timeout, started=started)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -6,6 +6,7 @@ hf.py        Target: the adapter over a transformers model (forward, cache, tabl
 native.py    the native forward for Llama-family models (fused, pre-packed; --backend native)
 kernels.py   the small-row linear kernel (C++, built once at first use; fp32, bf16, int8 weights)
 quant.py     weight formats: bf16 / int8 weights with fp32 activations (--dtype on the CPU)
+panel_cache.py  the packed weights of each format, saved once in the cache and memory-mapped by later loads
 generate.py  transformers' own generate (benchmark baselines, batched sampling for data)
 load.py      aliases, local directories, hub ids; GGUF conversion of the bundled model
 """

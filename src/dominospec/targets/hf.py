@@ -17,6 +17,7 @@ import hashlib
 import inspect
 import json
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -26,9 +27,10 @@ from torch import nn
 from ..errors import DominoError
 from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
-from .kernels import active_build
+from .kernels import active_build, build_key, load_kernels
 from .load import load_model
 from .native import KVCache, NativeModel, native_support
+from .panel_cache import formatted_weights, saved_packing
 from .quant import (
     AUTO,
     CPU_FORMATS,
@@ -41,6 +43,11 @@ from .quant import (
 )
 
 BACKENDS = ("auto", "native", "hf")
+
+
+def _kernel_build() -> str | None:
+    """The CPU kernel's build key (loading it), or None where it is off or cannot be built."""
+    return build_key() if load_kernels() is not None else None
 
 
 @dataclass
@@ -85,10 +92,13 @@ class Target:
         self.backend_note: str | None = None  # why a requested native backend is not used
         self.exact_weights = False  # the weight format held the loaded weights (quant.holds): the same model
         why = native_support(model) if backend in ("auto", "native") else "--backend hf"
-        self.weight_only = self._apply_weights(weights, why)  # a CPU format (quant.CPU_FORMATS), or None
-        if why is None:
-            self.native = NativeModel.from_hf(model, self.weight_only or "float32")
-        elif backend == "native":
+        # the weights' format and packed panels, from the cache where an earlier process saved them (panel_cache.py)
+        with saved_packing(model, weights, _kernel_build) if why is None else nullcontext() as saved:
+            self.weight_only = self._apply_weights(weights, why)  # a CPU format (quant.CPU_FORMATS), or None
+            if why is None:
+                self.native = NativeModel.from_hf(model, self.weight_only or "float32")
+        self.packed_from_cache = saved is not None and saved.hit  # this load read the saved panels
+        if why is not None and backend == "native":
             self.backend_note = f"target {name!r} runs on the transformers path: {why}"
 
     def _apply_weights(self, weights: str | None, why_not_native: str | None) -> str | None:
@@ -99,7 +109,7 @@ class Target:
             if why_not_native is not None or self.dtype != torch.float32 or self.device.type != "cpu":
                 return None
             _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rewritten
-            weights = adopt_exact_format_(self.model)
+            weights = formatted_weights(self.model, adopt_exact_format_)
             self.exact_weights = weights is not None
             return weights
         if weights in (None, str(self.dtype).replace("torch.", "")):
@@ -122,7 +132,7 @@ class Target:
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise DominoError(f"{weights} weights need an fp32 model on the CPU, got {self.dtype} on {self.device}")
         _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rounded
-        self.exact_weights = apply_weight_format_(self.model, weights)
+        self.exact_weights = formatted_weights(self.model, lambda m: apply_weight_format_(m, weights))
         return weights
 
     @property

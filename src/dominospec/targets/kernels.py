@@ -30,7 +30,8 @@ import torch
 
 from ..errors import DominoError
 from ..io import cache_dir, exclusive_lock
-from ..log import log, log_once
+from ..log import log, log_once, ticking
+from .panel_cache import keep_panels, saved_panels
 
 SOURCES = Path(__file__).with_name("cpu_kernels")  # the C++ sources: *.cpp compiled, *.h included
 ENV_SWITCH = "DOMINOSPEC_KERNELS"  # "off": today's library paths only (for A/B runs)
@@ -92,15 +93,16 @@ def _build(name: str, directory: Path):
     directory.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
     t0 = time.perf_counter()
-    log(f"building the CPU kernels into {directory} (once per machine and torch version)")
-    module = cpp_extension.load(
-        name=name,
-        sources=[str(f) for f in _source_files() if f.suffix == ".cpp"],
-        build_directory=str(directory),
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    log(f"building the CPU kernels into {directory} (once per machine and torch version; ~80 s on one core)")
+    with ticking("building the CPU kernels"):
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(f) for f in _source_files() if f.suffix == ".cpp"],
+            build_directory=str(directory),
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     log(f"kernel built in {time.perf_counter() - t0:.1f} s")
     return module
 
@@ -221,6 +223,11 @@ class PackedLinear:
         self.module = module
         self.out_features = weight.shape[0]
         self.format = kernel_format(module, weight_format)
+        self.bias = None if bias is None else bias.detach().contiguous()
+        saved = saved_panels(tuple(weight.shape), self.format)  # an earlier process's panels of this weight
+        if saved is not None:
+            self.panels, self.scale, self.group = saved
+            return
         w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
         if self.format in ("int8", "int8_quads"):
             q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
@@ -230,7 +237,7 @@ class PackedLinear:
         self.panels = module.pack(
             w, self.format
         )  # [ceil(N / NR), K, NR] (pairs / quads: [.., ceil(K / 2 or 4), NR, 2 or 4])
-        self.bias = None if bias is None else bias.detach().contiguous()
+        keep_panels(tuple(weight.shape), self.format, self.panels, self.scale, self.group)
 
     @property
     def nbytes(self) -> int:

@@ -76,7 +76,7 @@ def bundled_model_dir(alias: str, progress=None) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if progress:
-        progress(f"converting {filename} to safetensors in {out} (once, ~1 min)")
+        progress(f"converting {filename} to safetensors in {out} (once, a few seconds)")
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=filename)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=filename, dtype=torch.float32)
@@ -98,4 +98,6 @@ def bundled_model_dir(alias: str, progress=None) -> Path:
         (tmp / "dominospec_source.json").write_text(
             json.dumps({"package": package, "file": filename, "seconds": round(time.time() - t0, 1)})
         )
+    if progress:
+        progress(f"converted in {time.time() - t0:.1f} s")
     return out

@@ -30,6 +30,7 @@ from ..decode.proposers import make_proposer
 from ..decode.result import GenerationResult
 from ..decode.schedule import DEFAULT_THRESHOLD, VERIFY_MODES, VerifyPolicy, check_threshold
 from ..decode.single import decode
+from ..devices import threads_to_use
 from ..drafter import Drafter, shipped_drafter_dir
 from ..errors import DominoError
 from ..log import log_once
@@ -296,3 +297,40 @@ def run_spec(
         layers=config.layers,
         marks=marks,
     )
+
+
+def generate(
+    target,
+    prompt,
+    max_new_tokens: int = 128,
+    *,
+    drafter=None,
+    lookup: bool | None = None,
+    verify: str | None = None,
+    block_size: int | None = None,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int | None = 0,
+    threads: int | None = None,
+    on_tokens=None,
+) -> GenerationResult:
+    """One reply as `dominospec generate` makes it: the same configuration record (SURFACE_DEFAULTS["generate"]
+    for what is not named, parse_spec with keyword names) and the same CPU threads (threads_to_use: the
+    command line's --threads default). prompt: a user message (the chat template applied) or token ids.
+    drafter / lookup / verify / block_size: the command line's words (drafter "shipped", "lookup", "none", a
+    directory or a Drafter). Use Target.load's default dtype ("auto") for the command line's weight format."""
+    n, note = threads_to_use(threads)
+    if note:
+        log_once(note)
+    torch.set_num_threads(n)
+    spec = parse_spec(
+        "generate",
+        drafter=drafter,
+        lookup=lookup,
+        verify=verify,
+        block_size=block_size,
+        seed=seed,
+        target_name=target.name,
+        flags=False,
+    )
+    ids = target.encode_chat(prompt) if isinstance(prompt, str) else list(prompt)
+    return run_spec(bind(spec, target), target, ids, max_new_tokens, sampling, on_tokens=on_tokens)
