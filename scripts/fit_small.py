@@ -41,9 +41,10 @@ from dominospec.drafter import Drafter
 from dominospec.targets import Target
 from dominospec.targets.features import FeatureCache, parse_layer_ids
 from dominospec.train.blocks import IGNORE, teacher_forced_blocks
+from dominospec.train.run import TrainJob
 from dominospec.train.samples import fresh_drafter, validate_samples
 from dominospec.train.trainer import TrainConfig, Trainer
-from dominospec.train.validate import ANCHOR_CHUNK, Validator, validation_anchors
+from dominospec.train.validate import ANCHOR_CHUNK, Validator, split_validation, validation_anchors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import where_lost  # noqa: E402  (a sibling script: its judge, unchanged)
@@ -51,10 +52,14 @@ import where_lost  # noqa: E402  (a sibling script: its judge, unchanged)
 KL_ANCHORS = 64  # per sample: the KL needs the target's distribution over the draft vocabulary at every slot
 
 
-def small_set(data: str, n: int, target) -> list[dict]:
-    """The first n on-policy samples of a data directory (or one part of a data set)."""
+def small_set(data: str, n: int, target, held_out: bool = False) -> list[dict]:
+    """The first n on-policy samples of a data directory (or one part of a data set); held_out: the last n of its
+    validation split (what `train` holds out at the default --val-fraction, which no drafter trained on; the
+    last, so from the newest parts, the same kind of prompts as part-028's)."""
     _, samples = load_dataset_dir(data, target=target)
     samples = [s for s in samples if s.get("labels", "on-policy") == "on-policy"]
+    if held_out:
+        return validate_samples(split_validation(samples, TrainJob.val_fraction)[1], target, 2048, data)[-n:]
     return validate_samples(samples, target, 2048, data)[:n]
 
 
@@ -184,6 +189,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="data/smollm2-135m/part-028", help="a data directory or one part of a set")
     ap.add_argument("--samples", type=int, default=64, help="train and judge on the first N on-policy samples")
+    ap.add_argument("--held-out", action="store_true", help="the last N of the data's validation split instead")
     ap.add_argument("--store", type=Path, required=True, help="all-layer features of the samples (and run caches)")
     ap.add_argument("--out", type=Path, required=True, help="the run: checkpoint, metrics.jsonl, drafter, fit.json")
     ap.add_argument("--init", default=None, help="start from this drafter (e.g. the shipped one)")
@@ -218,7 +224,7 @@ def main() -> None:
     torch.set_num_threads(1)
     t0 = time.process_time()
     target = Target.load("smollm2-135m", device="cpu", dtype="float32")
-    samples = small_set(args.data, args.samples, target)
+    samples = small_set(args.data, args.samples, target, args.held_out)
     store = FeatureCache(args.store, target)
     cache_dir = args.store / "see-anchor" if args.see_anchor else args.store  # shifted rows under other keys
     cache = FeatureCache(cache_dir, target)
