@@ -79,11 +79,12 @@ def fill_store(target, samples: list[dict], store: FeatureCache) -> int:
     return computed
 
 
-def features_for(target, samples: list[dict], store: FeatureCache, cache: FeatureCache, layer_ids, shift=False) -> None:
+def features_for(target, samples: list[dict], store: FeatureCache, cache: FeatureCache, layer_ids, rows="") -> None:
     """The run's layer set written into `cache` (what the Trainer and Validator read), sliced from the all-layer
     rows of `store`, with the final state and its log-normaliser as `train --features-only` writes them.
-    shift: row t holds the target's state at t+1 (the last row repeated), so a block anchored at a sees the
-    target's state at a itself, which decoding has not computed when it drafts: an upper bound, not a drafter."""
+    rows "see-anchor": row t holds the target's state at t+1 (the last row repeated), so a block anchored at a sees
+    the target's state at a itself, which decoding has not computed when it drafts: an upper bound, not a drafter;
+    "no-features": every row zero, a drafter that reads nothing of the target's state (what the features carry)."""
     layers, h = all_layers(target), target.hidden_size
     cols = torch.cat([torch.arange(j * h, (j + 1) * h) for j in layer_ids])
     for s in samples:
@@ -91,8 +92,10 @@ def features_for(target, samples: list[dict], store: FeatureCache, cache: Featur
             continue
         feats, final = store.read(layers, s["input_ids"])
         feats = feats[:, cols]
-        if shift:
+        if rows == "see-anchor":
             feats = torch.cat([feats[1:], feats[-1:]])
+        elif rows == "no-features":
+            feats = torch.zeros_like(feats)
         final16 = final.to(torch.float16)
         with torch.no_grad():
             lse = torch.logsumexp(target.lm_head(final16.to(target.dtype)).float(), -1)
@@ -201,7 +204,11 @@ def main() -> None:
     ap.add_argument("--layer-ids", default=None, help="target feature layers, e.g. 28 or 1,8,14,20,27,28")
     ap.add_argument("--fuse-context", action="store_true", help="the last context row fused into the block")
     ap.add_argument(
-        "--see-anchor", action="store_true", help="an upper bound: blocks also see the target's state at the anchor"
+        "--rows",
+        choices=("see-anchor", "no-features"),
+        default="",
+        help="context rows changed: see-anchor, an upper bound where blocks also see the target's state at the "
+        "anchor; no-features, all zero (what the target's state is worth to the drafter)",
     )
     ap.add_argument("--intermediate-size", type=int, default=None)
     ap.add_argument("--heads", type=int, default=None, help="attention heads (default: the target's)")
@@ -226,7 +233,7 @@ def main() -> None:
     target = Target.load("smollm2-135m", device="cpu", dtype="float32")
     samples = small_set(args.data, args.samples, target, args.held_out)
     store = FeatureCache(args.store, target)
-    cache_dir = args.store / "see-anchor" if args.see_anchor else args.store  # shifted rows under other keys
+    cache_dir = args.store / args.rows if args.rows else args.store  # changed rows under keys of their own
     cache = FeatureCache(cache_dir, target)
     computed = fill_store(target, samples, store)
     tokens = sum(len(s["input_ids"]) for s in samples)
@@ -236,10 +243,10 @@ def main() -> None:
     trained = 0.0
     if args.judge_only:
         drafter = Drafter.from_pretrained(args.init or args.out, target=target)
-        features_for(target, samples, store, cache, drafter.config.target_layer_ids, args.see_anchor)
+        features_for(target, samples, store, cache, drafter.config.target_layer_ids, args.rows)
     else:
         drafter = make_drafter(args, target, samples)
-        features_for(target, samples, store, cache, drafter.config.target_layer_ids, args.see_anchor)
+        features_for(target, samples, store, cache, drafter.config.target_layer_ids, args.rows)
         cfg = TrainConfig(
             max_steps=args.steps,
             batch_size=args.batch_size,
