@@ -26,13 +26,15 @@ from torch import nn
 from ..errors import DominoError
 from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
-from .load import load_model
+from .gguf import read_blocks
+from .load import load_model, target_dir
 from .native import KVCache, NativeModel, native_support
 from .quant import (
     AUTO,
     CPU_FORMATS,
     DOT_FORMATS,
     INT8,
+    Q4_DOT,
     adopt_exact_format_,
     apply_weight_format_,
     precision_label,
@@ -59,10 +61,12 @@ class Target:
         name: str = "model",
         backend: str = "hf",
         weights: str | None = None,
+        blocks: dict | None = None,
     ):
         """weights: None (the model as it is), or a weight-only format, bfloat16 or int8 (quant.py): its
         linear weights are rounded to that format in place and the native kernel streams them so; "auto":
-        the fewest-bytes format that holds them to fp32 rounding (quant.adopt_exact_format_), else none."""
+        the fewest-bytes format that holds them to fp32 rounding (quant.adopt_exact_format_), else none.
+        blocks: the GGUF file's own blocks by parameter name (gguf.read_blocks), which q4-dot packs."""
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -84,13 +88,13 @@ class Target:
         self.backend_note: str | None = None  # why a requested native backend is not used
         self.exact_weights = False  # the weight format held the loaded weights (quant.holds): the same model
         why = native_support(model) if backend in ("auto", "native") else "--backend hf"
-        self.weight_only = self._apply_weights(weights, why)  # a CPU format (quant.CPU_FORMATS), or None
+        self.weight_only = self._apply_weights(weights, why, blocks)  # a CPU format (quant.CPU_FORMATS), or None
         if why is None:
-            self.native = NativeModel.from_hf(model, self.weight_only or "float32")
+            self.native = NativeModel.from_hf(model, self.weight_only or "float32", blocks)
         elif backend == "native":
             self.backend_note = f"target {name!r} runs on the transformers path: {why}"
 
-    def _apply_weights(self, weights: str | None, why_not_native: str | None) -> str | None:
+    def _apply_weights(self, weights: str | None, why_not_native: str | None, blocks: dict | None) -> str | None:
         """Round the weights to a weight-only format in place and return it; None: the model computes in its dtype.
 
         Without the native backend, int8 is refused and bfloat16 means the whole model in bf16."""
@@ -121,7 +125,7 @@ class Target:
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise DominoError(f"{weights} weights need an fp32 model on the CPU, got {self.dtype} on {self.device}")
         _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rounded
-        self.exact_weights = apply_weight_format_(self.model, weights)
+        self.exact_weights = apply_weight_format_(self.model, weights, blocks)
         return weights
 
     @property
@@ -195,7 +199,8 @@ class Target:
         model, tokenizer, name = load_model(
             name_or_path, device=device, dtype=torch.float32 if weights else dtype, progress=progress
         )
-        target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend, weights=weights)
+        blocks = read_blocks(target_dir(name)) if weights == Q4_DOT else None  # the file's own 4-bit blocks
+        target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend, weights=weights, blocks=blocks)
         if target.backend_note and progress:
             progress(target.backend_note)
         if weights == AUTO and target.weight_only and progress:
