@@ -20,8 +20,11 @@ namespace dominospec {
 
 constexpr int OCTETS = 4;  // octets of k per block of 32
 constexpr int Q4_BLOCK = OCTETS * 2 * QUAD;
-// Rows a group: integer sums and fp32 totals 2 x R x NV registers, plus 2 x NV unpacked weight vectors and a broadcast
-constexpr int MR_Q4 = VREGS == 32 ? 6 : 3;
+// Rows a group: the integer sums take R x NV registers, plus 2 x NV unpacked weight vectors and two broadcasts; the
+// fp32 totals another R x NV up to Q4_TOTALS_IN_REGISTERS rows, beyond that they sit in memory (touched once a
+// block). A verify of up to MR_Q4 rows then streams the panels once.
+constexpr int MR_Q4 = VREGS == 32 ? 12 : 4;
+constexpr int Q4_TOTALS_IN_REGISTERS = VREGS == 32 ? 6 : 2;
 
 inline vf widen_half(const uint16_t* p) {  // VW float16 -> fp32 (exact)
 #if defined(__AVX512F__)
@@ -73,6 +76,8 @@ void panel_q4_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __res
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
   const vi low = vi{} + 0x0F0F0F0F;
+  constexpr bool in_memory = R > Q4_TOTALS_IN_REGISTERS;
+  if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   for (int64_t g = 0; g < groups; ++g) {
     vi isum[R][NV];
     for (int r = 0; r < R; ++r)
@@ -110,6 +115,7 @@ void panel_q4_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __res
         acc[r][v] += rounded(og[v] * dsum);
       }
     }
+    if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   }
   store<R>(acc, y, ldy, ncols, bias);
 }
