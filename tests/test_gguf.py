@@ -49,7 +49,9 @@ def tiny_hf(arch: str, seed: int = 0):
     )
     if arch == "qwen3":  # transformers reads no head_dim from a qwen3 GGUF: Qwen3's own 128
         common.update(num_attention_heads=2, num_key_value_heads=1, head_dim=128)
-    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[
+        arch
+    ]
     model = transformers.AutoModelForCausalLM.from_config(cls(**common)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -106,6 +108,9 @@ def write_gguf(path, model, arch: str, kind: str, arch_name: str | None = None, 
         names[p + "post_attention_layernorm.weight"] = f"blk.{i}.ffn_norm.weight"
         for module, g in GGUF_LINEARS.items():
             names[p + ("self_attn." if g.startswith("attn") else "mlp.") + module + ".weight"] = f"blk.{i}.{g}.weight"
+        if arch == "qwen2":  # biased q, k, v
+            for g in ("q", "k", "v"):
+                names[p + f"self_attn.{g}_proj.bias"] = f"blk.{i}.attn_{g}.bias"
         if arch == "qwen3":
             names[p + "self_attn.q_norm.weight"] = f"blk.{i}.attn_q_norm.weight"
             names[p + "self_attn.k_norm.weight"] = f"blk.{i}.attn_k_norm.weight"
@@ -138,10 +143,12 @@ def dequantized_model(model, kind: str):
     return model
 
 
-@pytest.mark.parametrize(("arch", "kind"), [("llama", k) for k in TYPES] + [("qwen3", "Q4_0"), ("qwen3", "BF16")])
+@pytest.mark.parametrize(
+    ("arch", "kind"), [("llama", k) for k in TYPES] + [("qwen2", "Q8_0"), ("qwen3", "Q4_0"), ("qwen3", "BF16")]
+)
 def test_a_gguf_target_computes_the_files_dequantised_weights(arch, kind, tmp_path):
-    """Protects: every supported type of the llama and qwen3 architectures loads as a target (native forward) whose
-    logits are those of the file's dequantised weights, with the file's own tokenizer and chat template."""
+    """Protects: every supported type of the llama architecture (qwen2, qwen3: one or two) loads as a target (native
+    forward) whose logits are those of the file's dequantised weights, with the file's own tokenizer and template."""
     path = tmp_path / f"tiny-{arch}.{kind}.gguf"
     write_gguf(path, tiny_hf(arch), arch, kind)
     target = Target.load(str(path), dtype="float32", backend="native")
