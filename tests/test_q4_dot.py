@@ -56,7 +56,7 @@ def random_blocks(n: int, k: int, gen: torch.Generator, kind: str = "Q4_1") -> B
 def q4_reference(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """q4-dot's arithmetic in float64, each fp32 step rounded where the kernel rounds it: each row quantised in
     blocks of 32 (d = max|x| / 127, qx = round-half-even(x / d)), the integer dot exact, then per block
-    total += float(dot) * (s * d), total += o * (d * sum(qx)), then the bias."""
+    total += float(dot) * (s * d), total += o * (d * sum(qx)) (4-bit blocks only), then the bias."""
 
     def f32(t):
         return t.float().double()
@@ -70,20 +70,26 @@ def q4_reference(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = No
         dot = qx @ blocks.q[:, 32 * g : 32 * (g + 1)].double().T  # [M, N], exact
         d = d.double()
         total = f32(total + f32(dot * f32(blocks.scale[:, g].double() * d)))
-        total = f32(total + f32(blocks.offset[:, g].double() * f32(d * qx.sum(1, keepdim=True))))
+        if blocks.bits == 4:  # Q8_0 has no offset step
+            total = f32(total + f32(blocks.offset[:, g].double() * f32(d * qx.sum(1, keepdim=True))))
     return (total if bias is None else f32(total + bias.double())).float()
 
 
 def unpack_q4(panels: torch.Tensor, so: torch.Tensor, n: int) -> torch.Tensor:
-    """The weights q4-dot's panels hold, in fp32: s * q + o from the nibbles and float16 pairs (pack_q4's inverse)."""
-    p, g, _, nr, _ = panels.shape
-    q = torch.stack([panels & 0x0F, panels >> 4], dim=3)  # [P, G, 4, 2, NR, 4]
-    q = q.permute(0, 4, 1, 2, 3, 5).reshape(p * nr, g * 32)[:n]  # [N, K]
-    s, o = (so[:, :, i].permute(0, 2, 1).reshape(p * nr, g)[:n].float() for i in (0, 1))
-    return q.float() * s.repeat_interleave(32, 1) + o.repeat_interleave(32, 1)
+    """The weights q4-dot's panels hold, in fp32: s * q + o from the nibbles (Q8_0: bytes - 128) and float16 values
+    (pack_q4's inverse)."""
+    p, g, steps, nr, _ = panels.shape
+    if steps == 8:  # Q8_0
+        q = panels.to(torch.int16) - 128  # [P, G, 8, NR, 4]
+        q = q.permute(0, 3, 1, 2, 4).reshape(p * nr, g * 32)[:n]
+    else:
+        q = torch.stack([panels & 0x0F, panels >> 4], dim=3)  # [P, G, 4, 2, NR, 4]
+        q = q.permute(0, 4, 1, 2, 3, 5).reshape(p * nr, g * 32)[:n]  # [N, K]
+    s, *o = (so[:, :, i].permute(0, 2, 1).reshape(p * nr, g)[:n].float() for i in range(so.shape[2]))
+    return q.float() * s.repeat_interleave(32, 1) + (o[0].repeat_interleave(32, 1) if o else 0.0)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_panels_hold_the_files_weights_bit_for_bit(kind, kernels):
     """Protects: the 4-bit panels (two weights a byte, float16 scale and offset per block) are the file's blocks
     as they are: unpacked, they give the file's dequantised fp32 weights to the last bit (no requantisation)."""
@@ -91,10 +97,14 @@ def test_panels_hold_the_files_weights_bit_for_bit(kind, kernels):
     for n, k in SHAPES:
         blocks = random_blocks(n, k, gen, kind)
         lin = PackedLinear(kernels, blocks.dequantize(), None, "q4-dot", blocks)
-        assert lin.format == "q4_octets" and lin.panels.dtype == torch.uint8 and lin.scale.dtype == torch.float16
+        assert lin.format == ("q8_quads" if kind == "Q8_0" else "q4_octets")
+        assert lin.panels.dtype == torch.uint8 and lin.scale.dtype == torch.float16
         assert torch.equal(unpack_q4(lin.panels, lin.scale, n), blocks.dequantize()), (kind, n, k)
         columns = lin.panels.shape[0] * kernels.panel_width()
-        assert lin.nbytes == columns * k // 2 + columns * k // 32 * 4  # 4 bits a weight, 2 float16 a block
+        # 4 bits a weight and 2 float16 a block; Q8_0: 8 bits and 1 float16
+        assert lin.nbytes == (
+            columns * k + columns * k // 32 * 2 if kind == "Q8_0" else columns * k // 2 + columns * k // 32 * 4
+        )
     panels, _ = pack_q4(random_blocks(40, 64, gen), kernels.panel_width())
     assert panels.shape[1:] == (2, 4, kernels.panel_width(), 4)
 
@@ -105,7 +115,7 @@ def test_kernel_equals_a_float64_reference_of_its_own_arithmetic_to_the_last_bit
     whatever the number of rows in the call (1 for decode, 2-17 for verify, more for prefill)."""
     gen = torch.Generator().manual_seed(2)
     for n, k in SHAPES:
-        blocks = random_blocks(n, k, gen, "Q4_1" if n % 2 else "Q4_0")
+        blocks = random_blocks(n, k, gen, ("Q4_1", "Q4_0", "Q8_0")[n % 3])
         b = torch.randn(n, generator=gen) if bias else None
         lin = PackedLinear(kernels, blocks.dequantize(), b, "q4-dot", blocks)
         x = torch.randn(70, k, generator=gen)
@@ -137,8 +147,8 @@ def q4_target(seed: int = 0, **shape) -> Target:
 
 def test_q4_dot_target_packs_its_blocks_and_keeps_its_weights(kernels):
     """Protects: --dtype q4-dot streams 4-bit panels for the 4-bit blocks (fused q/k/v and gate/up included) and the
-    file's own int8 for a Q8_0 LM head; the model's weights stay the file's values (an exact format), and the
-    precision says q4-weights-dot (activations are rounded: a model of its own)."""
+    file's own int8 with its float16 scales for a Q8_0 LM head; the model's weights stay the file's values (an exact
+    format), and the precision says q4-weights-dot (activations are rounded: a model of its own)."""
     model, blocks = q4_model(0)
     before = {name: linear.weight.clone() for name, linear in named_linear_layers(model)}
     t = Target(model, name="tiny-q4", backend="native", weights="q4-dot", blocks=blocks)
@@ -147,9 +157,9 @@ def test_q4_dot_target_packs_its_blocks_and_keeps_its_weights(kernels):
     layer = t.native.blocks[0]
     assert {lin.kernel.format for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {"q4_octets"}
     head = t.native.lm_head.kernel
-    assert head.format == "int8_quads"
+    assert head.format == "q8_quads"
     scales = head.scale[:, :, 0].permute(0, 2, 1).reshape(-1, head.scale.shape[1])[:96]  # [N, G]
-    assert torch.equal(scales, blocks["lm_head.weight"].scale.float())
+    assert torch.equal(scales, blocks["lm_head.weight"].scale)
     plain = Target(q4_model(0)[0], name="tiny-q4", backend="native", weights="int8-dot")
     ids = torch.tensor([PROMPTS[2]])
     a = t.forward(ids, t.new_cache(), with_features=False).logits

@@ -218,15 +218,12 @@ class PackedLinear:
         self.format = kernel_format(module, weight_format)
         w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
         self.bias = None if bias is None else bias.detach().contiguous()
-        if weight_format == "q4-dot" and blocks is not None and blocks.bits == 4:
-            self.format, self.group = "q4_octets", INT8_GROUP
+        if weight_format == "q4-dot" and blocks is not None:
+            self.format, self.group = ("q4_octets" if blocks.bits == 4 else "q8_quads"), INT8_GROUP
             self.panels, self.scale = pack_q4(blocks, module.panel_width())
             return
         if self.format in ("int8", "int8_quads"):
-            if weight_format == "q4-dot" and blocks is not None:  # Q8_0: the file's own int8 blocks
-                q, scale, offset = blocks.q, blocks.scale.float(), blocks.offset.float()
-            else:
-                q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
+            q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
             w, self.group = q.float(), INT8_GROUP
             # [P, G, 2, NR]: per panel and group, its columns' scales, then their offsets
             self.scale = torch.stack([module.pack(scale, "float32"), module.pack(offset, "float32")], dim=2)
@@ -255,15 +252,22 @@ class PackedLinear:
 
 
 def pack_q4(blocks, nr: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit Blocks [N, K] -> q4-dot's panels (cpu_kernels/format_q4_dot.h): nibble pairs [P, K / 32, 4, NR, 4]
-    uint8, byte (p, g, o, j, t) = q[p*NR + j, 32g + 8o + t] | q[.., 32g + 8o + 4 + t] << 4, and the float16 scales
-    and offsets [P, K / 32, 2, NR] as the blocks hold them (padded columns: q, scale and offset 0)."""
+    """Blocks [N, K] -> q4-dot's panels (cpu_kernels/format_q4_dot.h) and float16 scales as the blocks hold them
+    (padded columns: q, scale and offset 0). 4 bits: nibble pairs [P, K / 32, 4, NR, 4] uint8, byte (p, g, o, j, t) =
+    q[p*NR + j, 32g + 8o + t] | q[.., 32g + 8o + 4 + t] << 4, scales and offsets [P, K / 32, 2, NR]; 8 bits (Q8_0):
+    [P, K / 32, 8, NR, 4] uint8 holding q + 128 (int8-dot's bias), scales [P, K / 32, 1, NR] (the offset is 0)."""
     n, k = blocks.q.shape
     p, g = -(-n // nr), k // 32
-    q = torch.zeros(p * nr, k, dtype=torch.uint8)
+    eight = blocks.bits == 8
+    q = torch.zeros(p * nr, k, dtype=torch.int16 if eight else torch.uint8)
     q[:n] = blocks.q
-    q = q.view(p, nr, g, 4, 2, 4)  # [P, NR, G, octet, low / high, t]
-    panels = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [P, G, 4, NR, 4]
-    so = torch.zeros(p * nr, g, 2, dtype=torch.float16)
-    so[:n, :, 0], so[:n, :, 1] = blocks.scale, blocks.offset
-    return panels, so.view(p, nr, g, 2).permute(0, 2, 3, 1).contiguous()  # [P, G, 2, NR]
+    if eight:
+        panels = (q + 128).to(torch.uint8).view(p, nr, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    else:
+        q = q.view(p, nr, g, 4, 2, 4)  # [P, NR, G, octet, low / high, t]
+        panels = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [P, G, 4, NR, 4]
+    values = [blocks.scale] if eight else [blocks.scale, blocks.offset]
+    so = torch.zeros(p * nr, g, len(values), dtype=torch.float16)
+    for i, v in enumerate(values):
+        so[:n, :, i] = v
+    return panels, so.view(p, nr, g, len(values)).permute(0, 2, 3, 1).contiguous()  # [P, G, 1 or 2, NR]

@@ -40,12 +40,14 @@ inline vf widen_half(const uint16_t* p) {  // VW float16 -> fp32 (exact)
 
 #ifdef DOMINOSPEC_INT8_DOT_VNNI
 struct Q4Vnni {  // unsigned nibbles x signed activations, four products summed a lane
+  static constexpr bool BIASED = false;  // nibbles are unsigned already
   static inline vi madd(vi acc, vi w, vi x) { return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x); }
 };
 #endif
 
 #ifdef DOMINOSPEC_INT8_DOT_AVX2
 struct Q4Avx2 {
+  static constexpr bool BIASED = false;
   static inline __m256i madd256(__m256i acc, __m256i w, __m256i x) {
     const __m256i pairs = _mm256_maddubs_epi16(w, x);  // w in 0..15: no saturation
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
@@ -65,13 +67,17 @@ struct Q4Avx2 {
 #endif
 
 // R rows through one panel: xq [R][ldx] int8 (whole blocks), wp [G][OCTETS][NR][4] nibble pairs, so [G][2][NR]
-// float16 scales then offsets, info [R][G][ROW_INFO] (int8-dot's row quantisation)
-template <typename Dot, int R>
+// float16 scales then offsets, info [R][G][ROW_INFO] (int8-dot's row quantisation). EIGHT: a Q8_0 tensor instead,
+// wp [G][8][NR][4] holding q + 128 (int8-dot's bias, so Dot is int8-dot's DotVnni / DotAvx2) and so [G][1][NR] its
+// float16 scales alone (no offset: its step is left out, not added as 0).
+template <typename Dot, int R, bool EIGHT>
 void panel_q4_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __restrict wp, int64_t groups,
                   float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
                   const uint16_t* __restrict so, const float* __restrict info) {
   typedef uint16_t vh2 __attribute__((vector_size(sizeof(vi))));  // a vi's bytes as 16-bit lanes, for the shift
   constexpr int64_t OCTET_BYTES = NR * QUAD;
+  constexpr int STEPS = EIGHT ? 2 * OCTETS : OCTETS;  // weight rows of NR x 4 bytes a block
+  constexpr int PAIRS = EIGHT ? 1 : 2;  // float16 values a column and block
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
@@ -82,37 +88,43 @@ void panel_q4_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __res
     vi isum[R][NV];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) isum[r][v] = vi{};
-    for (int o = 0; o < OCTETS; ++o) {
-      const uint8_t* wk = wp + (g * OCTETS + o) * OCTET_BYTES;
+    for (int o = 0; o < STEPS; ++o) {
+      const uint8_t* wk = wp + (g * STEPS + o) * OCTET_BYTES;
       prefetch_row(wk + PREFETCH * OCTET_BYTES, OCTET_BYTES);
       vi lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
         vi w;
         std::memcpy(&w, wk + v * VW * QUAD, sizeof(vi));
-        lo[v] = w & low;
-        hi[v] = (vi)((vh2)w >> 4) & low;
+        lo[v] = EIGHT ? w : w & low;
+        if constexpr (!EIGHT) hi[v] = (vi)((vh2)w >> 4) & low;
       }
-      const int64_t k = g * Q4_BLOCK + o * 2 * QUAD;
+      const int64_t k = g * Q4_BLOCK + o * (EIGHT ? 1 : 2) * QUAD;
       for (int r = 0; r < R; ++r) {
         int32_t first, second;
         std::memcpy(&first, xq + r * ldx + k, sizeof(first));
-        std::memcpy(&second, xq + r * ldx + k + QUAD, sizeof(second));
-        const vi xa = vi{} + first, xb = vi{} + second;  // the row's 4 activations in every lane
-        for (int v = 0; v < NV; ++v) isum[r][v] = Dot::madd(Dot::madd(isum[r][v], lo[v], xa), hi[v], xb);
+        const vi xa = vi{} + first;  // the row's 4 activations in every lane
+        if constexpr (EIGHT) {
+          for (int v = 0; v < NV; ++v) isum[r][v] = Dot::madd(isum[r][v], lo[v], xa);
+        } else {
+          std::memcpy(&second, xq + r * ldx + k + QUAD, sizeof(second));
+          const vi xb = vi{} + second;
+          for (int v = 0; v < NV; ++v) isum[r][v] = Dot::madd(Dot::madd(isum[r][v], lo[v], xa), hi[v], xb);
+        }
       }
     }
     vf sg[NV], og[NV];
     for (int v = 0; v < NV; ++v) {
-      sg[v] = widen_half(so + g * 2 * NR + v * VW);
-      og[v] = widen_half(so + g * 2 * NR + NR + v * VW);
+      sg[v] = widen_half(so + g * PAIRS * NR + v * VW);
+      if constexpr (!EIGHT) og[v] = widen_half(so + g * PAIRS * NR + NR + v * VW);
     }
     for (int r = 0; r < R; ++r) {
       const float* ri = info + (r * groups + g) * ROW_INFO;
       const float d = ri[0], dsum = ri[1];
       for (int v = 0; v < NV; ++v) {
-        const vf dot = __builtin_convertvector(isum[r][v], vf);  // exact: |dot| < 2^24
+        vf dot = __builtin_convertvector(isum[r][v], vf);  // exact: |dot| < 2^24
+        if constexpr (EIGHT && Dot::BIASED) dot -= ri[2];  // 128 * sum(qx) off, exactly
         acc[r][v] += rounded(dot * rounded(sg[v] * d));
-        acc[r][v] += rounded(og[v] * dsum);
+        if constexpr (!EIGHT) acc[r][v] += rounded(og[v] * dsum);
       }
     }
     if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");

@@ -98,22 +98,26 @@ const auto PANELS_INT8_DOT_VNNI = make_table<MR_DOT, int8_t, uint8_t, PanelInt8D
 const auto PANELS_INT8_DOT_AVX2 = make_table<MR_DOT, int8_t, uint8_t, PanelInt8Dot<DotAvx2>::K>(NPS);
 #endif
 
-// q4-dot: (xq, ldx, panel, -, blocks, y, ldy, ncols, bias, float16 scales and offsets, -, row info, -)
-template <typename Dot>
+// q4-dot: (xq, ldx, panel, -, blocks, y, ldy, ncols, bias, float16 scales (and offsets), -, row info, -); EIGHT:
+// a Q8_0 tensor's panels
+template <typename Dot, bool EIGHT>
 struct PanelQ4Dot {
   template <int R, int NP>
   struct K {
     static void run(const int8_t* x, int64_t ldx, const uint8_t* wp, int64_t, int64_t groups, float* y, int64_t ldy,
                     int64_t ncols, const float* bias, const float* so, int64_t, const float* info, int64_t) {
-      panel_q4_dot<Dot, R>(x, ldx, wp, groups, y, ldy, ncols, bias, reinterpret_cast<const uint16_t*>(so), info);
+      panel_q4_dot<Dot, R, EIGHT>(x, ldx, wp, groups, y, ldy, ncols, bias, reinterpret_cast<const uint16_t*>(so),
+                                  info);
     }
   };
 };
 #ifdef DOMINOSPEC_INT8_DOT_VNNI
-const auto PANELS_Q4_DOT_VNNI = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<Q4Vnni>::K>(NPS);
+const auto PANELS_Q4_DOT_VNNI = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<Q4Vnni, false>::K>(NPS);
+const auto PANELS_Q8_DOT_VNNI = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<DotVnni, true>::K>(NPS);
 #endif
 #ifdef DOMINOSPEC_INT8_DOT_AVX2
-const auto PANELS_Q4_DOT_AVX2 = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<Q4Avx2>::K>(NPS);
+const auto PANELS_Q4_DOT_AVX2 = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<Q4Avx2, false>::K>(NPS);
+const auto PANELS_Q8_DOT_AVX2 = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<DotAvx2, true>::K>(NPS);
 #endif
 
 // The int8-dot instructions this build has, best first, and the one linear() uses (set_int8_dot_path)
@@ -224,19 +228,23 @@ bool has_bf16_dot() {
 
 namespace {
 
-// q4-dot (format_q4_dot.h): x [M, K] float32, K a multiple of 32; packed [P, K / 32, 4, NR, 4] uint8 nibble pairs;
-// scale [P, K / 32, 2, NR] float16 (scales, then offsets)
+// q4-dot (format_q4_dot.h): x [M, K] float32, K a multiple of 32; packed [P, K / 32, 4, NR, 4] uint8 nibble pairs
+// with scale [P, K / 32, 2, NR] float16 (scales, then offsets), or a Q8_0 tensor's [P, K / 32, 8, NR, 4] uint8
+// (q + 128) with scale [P, K / 32, 1, NR] float16
 torch::Tensor linear_q4_dot(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
                             int64_t N) {
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), G = K / Q4_BLOCK;
+  const bool eight = packed.size(2) == 2 * OCTETS;
   TORCH_CHECK(K % Q4_BLOCK == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(1) == G && packed.size(2) == OCTETS && packed.size(3) == NR && packed.size(4) == QUAD,
-              "q4-dot panels must be [P, K / 32, 4, NR, 4] uint8 for x's ", K, " columns");
+                  packed.size(1) == G && (eight || packed.size(2) == OCTETS) && packed.size(3) == NR &&
+                  packed.size(4) == QUAD,
+              "q4-dot panels must be [P, K / 32, 4 or 8, NR, 4] uint8 for x's ", K, " columns");
   TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "N does not match the packed panels");
   TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kHalf && scale->is_contiguous() && scale->dim() == 4 &&
-                  scale->size(0) == P && scale->size(1) == G && scale->size(2) == 2 && scale->size(3) == NR,
-              "q4-dot scales must be [P, K / 32, 2, NR] float16");
+                  scale->size(0) == P && scale->size(1) == G && scale->size(2) == (eight ? 1 : 2) &&
+                  scale->size(3) == NR,
+              "q4-dot scales must be [P, K / 32, 2 (1 for Q8_0), NR] float16");
   TORCH_CHECK(!int8_dot_choice.empty(), "q4-dot needs AVX512-VNNI or AVX2; this CPU has neither");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -247,18 +255,18 @@ torch::Tensor linear_q4_dot(const torch::Tensor& x, const torch::Tensor& packed,
   auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
   auto info = torch::empty({M, G, ROW_INFO}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, Q4_BLOCK, xq.data_ptr<int8_t>(), K, info.data_ptr<float>());
-  const auto* so = reinterpret_cast<const float*>(scale->data_ptr<at::Half>());  // float16 pairs, NR floats a block
+  const auto* so = reinterpret_cast<const float*>(scale->data_ptr<at::Half>());  // float16: NR / 2 floats a value
   const auto* wp = packed.data_ptr<uint8_t>();
-  const int64_t panel_bytes = G * OCTETS * NR * QUAD;
+  const int64_t panel_bytes = G * packed.size(2) * NR * QUAD, scale_floats = scale->size(2) * NR / 2;
+  const auto run = [&](const auto& table) {
+    run_panels(table, xq.data_ptr<int8_t>(), K, wp, panel_bytes, G, y.data_ptr<float>(), M, N, P, b, so,
+               info.data_ptr<float>(), 1, ROW_INFO, scale_floats);
+  };
 #ifdef DOMINOSPEC_INT8_DOT_VNNI
-  if (int8_dot_choice == "avx512-vnni")
-    run_panels(PANELS_Q4_DOT_VNNI, xq.data_ptr<int8_t>(), K, wp, panel_bytes, G, y.data_ptr<float>(), M, N, P, b, so,
-               info.data_ptr<float>(), 1, ROW_INFO, NR);
+  if (int8_dot_choice == "avx512-vnni") eight ? run(PANELS_Q8_DOT_VNNI) : run(PANELS_Q4_DOT_VNNI);
 #endif
 #ifdef DOMINOSPEC_INT8_DOT_AVX2
-  if (int8_dot_choice == "avx2")
-    run_panels(PANELS_Q4_DOT_AVX2, xq.data_ptr<int8_t>(), K, wp, panel_bytes, G, y.data_ptr<float>(), M, N, P, b, so,
-               info.data_ptr<float>(), 1, ROW_INFO, NR);
+  if (int8_dot_choice == "avx2") eight ? run(PANELS_Q8_DOT_AVX2) : run(PANELS_Q4_DOT_AVX2);
 #endif
   return y;
 }
