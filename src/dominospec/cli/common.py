@@ -70,7 +70,8 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
         default=DEFAULT_TARGET,
-        help=f"HF hub id, local model directory, or the bundled alias (default: {DEFAULT_TARGET})",
+        help=f"HF hub id, local model directory, a .gguf file (llama, mistral, qwen2, qwen3 in Q4_0, Q4_1, Q8_0, F16 "
+        f"or BF16), or the bundled alias (default: {DEFAULT_TARGET})",
     )
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, ...")
     p.add_argument(
@@ -78,11 +79,12 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (bf16 on GPU; on the CPU, fp32 activations on the fewest-bytes weight format that holds the "
         "model's weights to fp32 rounding: int8 for the bundled model, bfloat16 for a bf16 checkpoint, else fp32), "
-        "float32, bfloat16, float16, int8, int8-dot, bfloat16-dot. On the CPU with the native "
+        "float32, bfloat16, float16, int8, int8-dot, bfloat16-dot, q4-dot. On the CPU with the native "
         "backend, bfloat16 and int8 are weight formats (half / about a quarter of fp32's bytes; int8 "
         "scaled per output channel and group of 32 inputs) with fp32 activations; int8-dot and bfloat16-dot "
         "run those weights on the CPU's dot-product instructions, activations rounded too (int8 per row in "
-        "blocks of 32, as llama.cpp's Q8_0; bf16): models of their own. Speculative output stays "
+        "blocks of 32, as llama.cpp's Q8_0; bf16): models of their own; q4-dot keeps a GGUF target's own 4-bit "
+        "blocks (Q4_0, Q4_1) in 4-bit panels on int8-dot's activations. Speculative output stays "
         "identical to plain decoding of the format",
     )
     p.add_argument(

@@ -24,7 +24,7 @@ from ..drafter.checkpoint import CONFIG_NAME, WEIGHTS_NAME
 from ..errors import DominoError
 from ..io import ensure_writable_dir, read_json
 from ..targets import BUNDLED_ALIASES
-from ..targets.load import bundled_model_dir
+from ..targets.load import target_dir
 from ..version import __version__
 from .contracts import ARCHITECTURES, MASK_FILE, REPORT_FILE, Dims, expected_tensors
 from .plan import Plan, plan_export
@@ -51,9 +51,10 @@ BACKBONE_NAMES = {
 
 
 def target_reference(target) -> str:
-    """What an engine is given as the target: the converted directory for a bundled alias, else the name."""
+    """What an engine is given as the target: the converted directory for a bundled alias or a .gguf file, else the
+    name."""
     name = str(target.name)
-    return str(bundled_model_dir(name)) if name in BUNDLED_ALIASES else name
+    return str(target_dir(name)) if name in BUNDLED_ALIASES or name.lower().endswith(".gguf") else name
 
 
 def sorted_layer_order(layer_ids: list[int]) -> list[int]:

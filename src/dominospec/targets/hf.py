@@ -27,8 +27,9 @@ from torch import nn
 from ..errors import DominoError
 from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
+from .gguf import read_blocks
 from .kernels import active_build, build_key, load_kernels
-from .load import load_model
+from .load import load_model, target_dir
 from .native import KVCache, NativeModel, native_support
 from .panel_cache import formatted_weights, saved_packing
 from .quant import (
@@ -36,6 +37,7 @@ from .quant import (
     CPU_FORMATS,
     DOT_FORMATS,
     INT8,
+    Q4_DOT,
     adopt_exact_format_,
     apply_weight_format_,
     precision_label,
@@ -67,10 +69,12 @@ class Target:
         name: str = "model",
         backend: str = "hf",
         weights: str | None = None,
+        blocks: dict | None = None,
     ):
         """weights: None (the model as it is), or a weight-only format, bfloat16 or int8 (quant.py): its
         linear weights are rounded to that format in place and the native kernel streams them so; "auto":
-        the fewest-bytes format that holds them to fp32 rounding (quant.adopt_exact_format_), else none."""
+        the fewest-bytes format that holds them to fp32 rounding (quant.adopt_exact_format_), else none.
+        blocks: the GGUF file's own blocks by parameter name (gguf.read_blocks), which q4-dot packs."""
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -94,14 +98,14 @@ class Target:
         why = native_support(model) if backend in ("auto", "native") else "--backend hf"
         # the weights' format and packed panels, from the cache where an earlier process saved them (panel_cache.py)
         with saved_packing(model, weights, _kernel_build) if why is None else nullcontext() as saved:
-            self.weight_only = self._apply_weights(weights, why)  # a CPU format (quant.CPU_FORMATS), or None
+            self.weight_only = self._apply_weights(weights, why, blocks)  # a CPU format (quant.CPU_FORMATS), or None
             if why is None:
-                self.native = NativeModel.from_hf(model, self.weight_only or "float32")
+                self.native = NativeModel.from_hf(model, self.weight_only or "float32", blocks)
         self.packed_from_cache = saved is not None and saved.hit  # this load read the saved panels
         if why is not None and backend == "native":
             self.backend_note = f"target {name!r} runs on the transformers path: {why}"
 
-    def _apply_weights(self, weights: str | None, why_not_native: str | None) -> str | None:
+    def _apply_weights(self, weights: str | None, why_not_native: str | None, blocks: dict | None) -> str | None:
         """Round the weights to a weight-only format in place and return it; None: the model computes in its dtype.
 
         Without the native backend, int8 is refused and bfloat16 means the whole model in bf16."""
@@ -132,7 +136,7 @@ class Target:
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise DominoError(f"{weights} weights need an fp32 model on the CPU, got {self.dtype} on {self.device}")
         _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rounded
-        self.exact_weights = formatted_weights(self.model, lambda m: apply_weight_format_(m, weights))
+        self.exact_weights = formatted_weights(self.model, lambda m: apply_weight_format_(m, weights, blocks))
         return weights
 
     @property
@@ -219,7 +223,8 @@ class Target:
         model, tokenizer, name = load_model(
             name_or_path, device=device, dtype=torch.float32 if weights else dtype, progress=progress
         )
-        target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend, weights=weights)
+        blocks = read_blocks(target_dir(name)) if weights == Q4_DOT else None  # the file's own 4-bit blocks
+        target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend, weights=weights, blocks=blocks)
         if target.backend_note and progress:
             progress(target.backend_note)
         if weights == AUTO and target.weight_only and progress and active_build() != "off":

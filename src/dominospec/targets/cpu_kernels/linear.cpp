@@ -9,6 +9,7 @@
 #include "format_float.h"
 #include "format_int8.h"
 #include "format_int8_dot.h"
+#include "format_q4_dot.h"
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -97,6 +98,28 @@ const auto PANELS_INT8_DOT_VNNI = make_table<MR_DOT, int8_t, uint8_t, PanelInt8D
 const auto PANELS_INT8_DOT_AVX2 = make_table<MR_DOT, int8_t, uint8_t, PanelInt8Dot<DotAvx2>::K>(NPS);
 #endif
 
+// q4-dot: (xq, ldx, panel, -, blocks, y, ldy, ncols, bias, float16 scales (and offsets), -, row info, -); EIGHT:
+// a Q8_0 tensor's panels
+template <typename Dot, bool EIGHT>
+struct PanelQ4Dot {
+  template <int R, int NP>
+  struct K {
+    static void run(const int8_t* x, int64_t ldx, const uint8_t* wp, int64_t, int64_t groups, float* y, int64_t ldy,
+                    int64_t ncols, const float* bias, const float* so, int64_t, const float* info, int64_t) {
+      panel_q4_dot<Dot, R, EIGHT>(x, ldx, wp, groups, y, ldy, ncols, bias, reinterpret_cast<const uint16_t*>(so),
+                                  info);
+    }
+  };
+};
+#ifdef DOMINOSPEC_INT8_DOT_VNNI
+const auto PANELS_Q4_DOT_VNNI = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<Q4Vnni, false>::K>(NPS);
+const auto PANELS_Q8_DOT_VNNI = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<DotVnni, true>::K>(NPS);
+#endif
+#ifdef DOMINOSPEC_INT8_DOT_AVX2
+const auto PANELS_Q4_DOT_AVX2 = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<Q4Avx2, false>::K>(NPS);
+const auto PANELS_Q8_DOT_AVX2 = make_table<MR_Q4, int8_t, uint8_t, PanelQ4Dot<DotAvx2, true>::K>(NPS);
+#endif
+
 // The int8-dot instructions this build has, best first, and the one linear() uses (set_int8_dot_path)
 std::vector<std::string> int8_dot_builds() {
   std::vector<std::string> paths;
@@ -178,14 +201,15 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int8_t* 
 // most NT rows, and each group walks its block np panels at a time (panels_for, fewer where the threads
 // would otherwise go short of blocks). The row grouping and np change which rows and columns share
 // registers, never the order of any output element's sum.
-// (For int8 and int8-dot, xsum holds info_width floats per row and group.)
+// (For int8 and int8-dot, xsum holds info_width floats per row and group; the scales take scale_floats floats per
+// group and panel: two per column, or one for q4-dot's float16 pairs.)
 template <typename X, typename T, size_t NT>
 void run_panels(const std::array<std::array<PanelFn<X, T>, NT>, NPMAX>& panels, const X* xp, int64_t ldx,
                 const T* wp, int64_t panel_elems, int64_t Kp, float* yp, int64_t M, int64_t N, int64_t P,
                 const float* b, const float* so = nullptr, const float* xsum = nullptr, int64_t group = 0,
-                int64_t info_width = 1) {
+                int64_t info_width = 1, int64_t scale_floats = 2 * NR) {
   const int64_t groups = group > 0 ? (Kp + group - 1) / group : 0;
-  const int64_t sstride = groups * 2 * NR;
+  const int64_t sstride = groups * scale_floats;
   const int64_t chunks = (M + CHUNK - 1) / CHUNK;
   const int64_t first_rows = std::min<int64_t>(CHUNK, M), first_groups = (first_rows + NT - 1) / NT;
   const int64_t widest = (first_rows + first_groups - 1) / first_groups;  // rows of the first chunk's widest group
@@ -237,11 +261,59 @@ bool has_bf16_dot() {
 #endif
 }
 
+namespace {
+
+// q4-dot (format_q4_dot.h): x [M, K] float32, K a multiple of 32; packed [P, K / 32, 4, NR, 4] uint8 nibble pairs
+// with scale [P, K / 32, 2, NR] float16 (scales, then offsets), or a Q8_0 tensor's [P, K / 32, 8, NR, 4] uint8
+// (q + 128) with scale [P, K / 32, 1, NR] float16
+torch::Tensor linear_q4_dot(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& scale,
+                            int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), G = K / Q4_BLOCK;
+  const bool eight = packed.size(2) == 2 * OCTETS;
+  TORCH_CHECK(K % Q4_BLOCK == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(1) == G && (eight || packed.size(2) == OCTETS) && packed.size(3) == NR &&
+                  packed.size(4) == QUAD,
+              "q4-dot panels must be [P, K / 32, 4 or 8, NR, 4] uint8 for x's ", K, " columns");
+  TORCH_CHECK(N <= P * NR && N > (P - 1) * NR, "N does not match the packed panels");
+  TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kHalf && scale->is_contiguous() && scale->dim() == 4 &&
+                  scale->size(0) == P && scale->size(1) == G && scale->size(2) == (eight ? 1 : 2) &&
+                  scale->size(3) == NR,
+              "q4-dot scales must be [P, K / 32, 2 (1 for Q8_0), NR] float16");
+  TORCH_CHECK(!int8_dot_choice.empty(), "q4-dot needs AVX512-VNNI or AVX2; this CPU has neither");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N && bias->is_contiguous() && bias->scalar_type() == at::kFloat, "bad bias");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto info = torch::empty({M, G, ROW_INFO}, x.options());
+  quantize_rows(x.data_ptr<float>(), M, K, Q4_BLOCK, xq.data_ptr<int8_t>(), K, info.data_ptr<float>());
+  const auto* so = reinterpret_cast<const float*>(scale->data_ptr<at::Half>());  // float16: NR / 2 floats a value
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const int64_t panel_bytes = G * packed.size(2) * NR * QUAD, scale_floats = scale->size(2) * NR / 2;
+  const auto run = [&](const auto& table) {
+    run_panels(table, xq.data_ptr<int8_t>(), K, wp, panel_bytes, G, y.data_ptr<float>(), M, N, P, b, so,
+               info.data_ptr<float>(), 1, ROW_INFO, scale_floats);
+  };
+#ifdef DOMINOSPEC_INT8_DOT_VNNI
+  if (int8_dot_choice == "avx512-vnni") eight ? run(PANELS_Q8_DOT_VNNI) : run(PANELS_Q4_DOT_VNNI);
+#endif
+#ifdef DOMINOSPEC_INT8_DOT_AVX2
+  if (int8_dot_choice == "avx2") eight ? run(PANELS_Q8_DOT_AVX2) : run(PANELS_Q4_DOT_AVX2);
+#endif
+  return y;
+}
+
+}  // namespace
+
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                      const c10::optional<torch::Tensor>& scale, int64_t group, int64_t N) {
   // x [M, K] float32 contiguous; packed from pack(); bias [N] or None; int8 only: scale
   // [P, ceil(K / group), 2, NR] float32 (per padded column and group of `group` k: scale, then offset) -> [M, N]
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be [M, K] float32");
+  if (packed.dim() == 5) return linear_q4_dot(x, packed, bias, scale, N);
   const bool quads = packed.scalar_type() == at::kByte;  // int8-dot
   const bool pairs = packed.dim() == 4 && !quads;
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);

@@ -18,6 +18,8 @@
 //     every layer of a decode- or verify-sized forward in one call (decoder_layers.h says the layout).
 //     "int8_quads" (int8-dot) -> [P, ceil(K / 4), NR, 4] uint8 holding q + 128; linear() then quantises each row of
 //     x in blocks of `group` k and sums int8 x int8 products in int32 (format_int8_dot.h), scale as for int8.
+//   q4-dot: panels [P, K / 32, 4, NR, 4] uint8 (two 4-bit weights a byte, packed in Python: kernels.pack_q4) with
+//     scale [P, K / 32, 2, NR] float16; linear() quantises x's rows as for int8-dot (format_q4_dot.h).
 //   has_bf16_dot(): whether this build has "bfloat16_pairs" (AVX512-BF16). int8_dot_paths(): the instruction
 //     paths this build has for int8-dot, best first ("avx512-vnni", "avx2"; none: int8-dot is refused);
 //     set_int8_dot_path(name) / int8_dot_path(): the one linear() uses (process-wide; tests force "avx2").
