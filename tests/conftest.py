@@ -626,3 +626,35 @@ def fused_vs_python(native, monkeypatch, fused_switch, prompts, new):
         for r, (prompt, toks) in enumerate(zip(prompts, new)):
             assert cache.lengths[r] == len(prompt) + len(toks)
     return out
+
+
+# ----- a SmolLM2-like tiny Llama in fp32 for the weight formats (test_quant.py, test_q4_dot.py) -----
+QUANT_PROMPTS = [[1, 5, 9, 2], [7] * 11, list(range(3, 40, 2)), [4, 8, 15, 16, 23, 42, 4, 8, 15, 16]]
+SMOL_ATTENTION = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+
+
+def llama_fp32(seed: int = 0, **shape):
+    """A SmolLM2-like tiny Llama (tied embedding: the LM head is the embedding table) in fp32, its weights
+    spread enough that greedy continuations vary and the formats' rounding shows in the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=95,
+    )
+    for key, value in shape.items():
+        setattr(cfg, key, value)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.12 * torch.randn_like(p))
+    return model

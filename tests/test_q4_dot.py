@@ -6,8 +6,8 @@ takes them from real files."""
 
 import pytest
 import torch
-from conftest import assert_matches_target_distribution, tiny_drafter
-from test_quant import PROMPTS, SMOL_ATTENTION, llama_fp32
+from conftest import QUANT_PROMPTS as PROMPTS
+from conftest import SMOL_ATTENTION, assert_matches_target_distribution, llama_fp32, tiny_drafter
 
 from dominospec import SamplingConfig, Target, generate_autoregressive, generate_speculative
 from dominospec.decode import PromptLookup

@@ -11,8 +11,13 @@ import torch
 import torch.nn.functional as F
 import transformers
 from conftest import (
+    QUANT_PROMPTS as PROMPTS,
+)
+from conftest import (
+    SMOL_ATTENTION,
     assert_matches_target_distribution,
     fused_vs_python,
+    llama_fp32,
     serving,
     tiny_chat_target,
     tiny_drafter,
@@ -248,36 +253,8 @@ def test_int8_groups_take_the_better_grid_and_hold_8_and_4_bit_blocks_exactly():
 # ----- the weight format behind the Target -----
 
 
-def llama_fp32(seed: int = 0, **shape):
-    """A SmolLM2-like tiny Llama (tied embedding: the LM head is the embedding table) in fp32, its weights
-    spread enough that greedy continuations vary and the formats' rounding shows in the logits."""
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        eos_token_id=95,
-    )
-    for key, value in shape.items():
-        setattr(cfg, key, value)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.12 * torch.randn_like(p))
-    return model
-
-
 def quant_target(fmt: str | None, seed: int = 0) -> Target:
     return Target(llama_fp32(seed), name="tiny-smol", backend="native", weights=fmt)
-
-
-PROMPTS = [[1, 5, 9, 2], [7] * 11, list(range(3, 40, 2)), [4, 8, 15, 16, 23, 42, 4, 8, 15, 16]]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -408,9 +385,6 @@ def test_bf16_dot_product_switch_is_its_own_precision_and_stays_exact(kernels, m
     for prompt in PROMPTS[:2]:
         ref = generate_autoregressive(t, prompt, 24, eos_ids=[]).tokens
         assert generate_speculative(t, drafter, prompt, 24, block_size=4, eos_ids=[]).tokens == ref
-
-
-SMOL_ATTENTION = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
 
 
 def weights_of(fmt: str, monkeypatch) -> str | None:

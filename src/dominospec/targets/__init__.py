@@ -4,11 +4,12 @@ features.py  which decoder layers feed the drafter
 context.py   how much of the context a prompt leaves for the answer
 hf.py        Target: the adapter over a transformers model (forward, cache, tables, text)
 native.py    the native forward for Llama-family models (fused, pre-packed; --backend native)
-kernels.py   the small-row linear kernel (C++, built once at first use; fp32, bf16, int8 weights)
-quant.py     weight formats: bf16 / int8 weights with fp32 activations (--dtype on the CPU)
+kernels.py   builds and loads the CPU kernels of cpu_kernels/ (C++, once per machine) and their packed linear
+quant.py     weight formats on the CPU (--dtype): bf16 / int8 weights, the dot formats, a GGUF's own blocks
 panel_cache.py  the packed weights of each format, saved once in the cache and memory-mapped by later loads
 generate.py  transformers' own generate (benchmark baselines, batched sampling for data)
-load.py      aliases, local directories, hub ids; GGUF conversion of the bundled model
+gguf.py      GGUF files as targets: checks, conversion (model, tokenizer, chat template), the raw 4/8-bit blocks
+load.py      aliases, local directories, hub ids, .gguf files
 """
 
 from .context import MIN_ANSWER_TOKENS, cap_new_tokens, encode_if_fits, prompt_too_long
