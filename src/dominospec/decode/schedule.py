@@ -30,6 +30,7 @@ A row (SeqState) gives the policy its context (committed_len) and its sampling s
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -211,10 +212,13 @@ class CostTable:
     def drafting_costs(self) -> bool:
         return self.draft_s > 0
 
+    def nearest_context(self, context: int) -> int:
+        """The profiled context whose prices stand for `context` (one decision holds while this does not move)."""
+        return min(self.verify_s, key=lambda c: abs(c - context))
+
     def verify_seconds(self, context: int) -> list[float]:
         """The verify row of the profiled context nearest to `context`."""
-        nearest = min(self.verify_s, key=lambda c: abs(c - context))
-        return self.verify_s[nearest]
+        return self.verify_s[self.nearest_context(context)]
 
     def step_seconds(self, rows: int, tokens: int, context: int = 0, draft: bool = True, sampled=False) -> float:
         """A forward over `tokens` new tokens (one row: B tokens in a row stand in for B in R rows), plus
@@ -258,6 +262,9 @@ class BatchCostTable:
     @property
     def drafting_costs(self) -> bool:
         return any(self.draft_s.values())
+
+    def nearest_context(self, context: int) -> int:
+        return self.context  # profiled at one context: every context prices alike
 
     def step_seconds(self, rows: int, tokens: int, context: int = 0, draft: bool = True, sampled=False) -> float:
         """Forward over `tokens` new tokens in `rows` rows (plus the draft pass), interpolated over B."""
@@ -346,6 +353,9 @@ class VerifyPolicy:
     def observe(self, proposal: Proposal, verified: int, accepted: int, row=None) -> None:
         """The outcome of a cycle with a proposal (row: the SeqState it was made for, where known)."""
 
+    def observe_step(self, rows: Sequence, seconds: float, committed: Sequence[int]) -> None:
+        """A whole step: its measured seconds and the tokens each row committed (the cost policy's running check)."""
+
     def describe(self) -> dict:
         return {"verify": self.name}
 
@@ -400,6 +410,8 @@ class StaticPolicy(ConfidencePolicy):
 
 
 ROW_ACCEPTANCE = "running_acceptance"  # SeqState.extra: the request's own RunningAcceptance (cost policy)
+ROW_RATE = "measured_rate"  # SeqState.extra: the request's own MeasuredRate (cost policy's fallback check)
+_SERIAL = itertools.count()
 
 
 class RunningAcceptance:
@@ -415,8 +427,10 @@ class RunningAcceptance:
         self.prior = list(prior or [])
         self.judged: list[float] = []
         self.passed: list[float] = []
+        self.version = (next(_SERIAL), 0)  # (this estimate, outcomes seen): a decision read from it holds while equal
 
     def record(self, verified: int, accepted: int) -> None:
+        self.version = (self.version[0], self.version[1] + 1)
         self.judged = [j * self.decay for j in self.judged]
         self.passed = [p * self.decay for p in self.passed]
         while len(self.judged) < verified:
@@ -444,6 +458,30 @@ class RunningAcceptance:
         return out
 
 
+class MeasuredRate:
+    """A request's own measured seconds per committed token over its recent steps (decaying by `decay` per
+    step, a window of about 1 / (1 - decay) steps), next to what the device profile prices a plain step of the
+    same batch at: the running check behind the cost policy's fallback to plain decoding."""
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.seconds = self.tokens = self.plain_s = self.weight = 0.0
+        self.steps = 0
+
+    def record(self, seconds: float, tokens: int, plain_s: float) -> None:
+        """One step: its measured seconds, the tokens it committed for this request, the profile's plain step."""
+        d = self.decay
+        self.seconds = self.seconds * d + seconds
+        self.tokens = self.tokens * d + tokens
+        self.plain_s = self.plain_s * d + plain_s
+        self.weight = self.weight * d + 1.0
+        self.steps += 1
+
+    def slower_than_plain(self, warmup: int) -> bool:
+        """After `warmup` steps: seconds per committed token above the plain step's (one token per step)."""
+        return self.steps >= warmup and self.seconds * self.weight > self.plain_s * self.tokens
+
+
 def _context(rows: Sequence) -> int:
     """Committed tokens before the anchor (the longest row's): which profiled context a cost reads."""
     return max((r.committed_len - 1 for r in rows), default=0)
@@ -465,6 +503,7 @@ class CostPolicy(ConfidencePolicy):
     block_size: int = 8  # drafts a drafter cycle proposes (for the skip decision)
     probe_every: int = 16  # while skipping, draft once every this many steps to refresh the estimate
     prior: list[float] | None = None  # the drafter's acceptance.json, the running estimate's starting point
+    fallback_after: int = 32  # steps a request runs before its own measured rate may turn it to plain decoding
     name = "cost"
 
     def __post_init__(self):
@@ -477,6 +516,8 @@ class CostPolicy(ConfidencePolicy):
             self.top_calibration = TopCalibration()
         self.skipped_in_a_row = 0
         self.skipped = 0
+        self.fell_back = 0  # requests turned to plain decoding by their measured rate
+        self._decided = (None, False)  # (what the last skip decision read, its answer)
 
     def estimates(self, proposal: Proposal) -> dict[str, torch.Tensor] | None:
         """Both conditional confidences of a proposal that carries a head's logits and its top probabilities."""
@@ -530,8 +571,22 @@ class CostPolicy(ConfidencePolicy):
         with_draft = tau / self.costs.step_seconds(R, R + sum(ks), context, sampled=sampled)
         return with_draft > R / self.costs.step_seconds(R, R, context, draft=False)
 
+    def pays_now(self, rows: Sequence) -> bool:
+        """drafting_pays, computed again only when what it reads moved: the row count, the profiled context that
+        prices the step, sampling, or an estimate that learnt an outcome (a cycle that drafts nothing then costs
+        a few comparisons, not an allocation over the whole curve)."""
+        key = (
+            len(rows),
+            self.costs.nearest_context(_context(rows)),
+            _samples(rows),
+            tuple(self.acceptance_of(r).version for r in rows),
+        )
+        if self._decided[0] != key:
+            self._decided = (key, self.drafting_pays(rows))
+        return self._decided[1]
+
     def wants_draft(self, rows) -> bool:
-        if not self.costs.drafting_costs or self.drafting_pays(rows) or self.skipped_in_a_row + 1 >= self.probe_every:
+        if not self.costs.drafting_costs or self.pays_now(rows) or self.skipped_in_a_row + 1 >= self.probe_every:
             self.skipped_in_a_row = 0
             return True
         self.skipped_in_a_row += 1
@@ -552,6 +607,24 @@ class CostPolicy(ConfidencePolicy):
             if own is None:
                 own = row.extra[ROW_ACCEPTANCE] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
             own.record(verified, accepted)
+
+    def observe_step(self, rows: Sequence, seconds: float, committed: Sequence[int]) -> None:
+        """A step's measured seconds and each row's committed tokens. A request whose own measured rate falls
+        under what the profile prices a plain step of this batch at (one token per row) decodes plainly from
+        then on (row.speculative = False: no proposals, no feature capture). Read from past steps only, so it
+        is lossless as the skip decision is."""
+        R, context = len(rows), _context(rows)
+        plain = self.costs.step_seconds(R, R, context, draft=False)
+        for r, n in zip(rows, committed):
+            if not r.speculative:
+                continue
+            rate = r.extra.get(ROW_RATE)
+            if rate is None:
+                rate = r.extra[ROW_RATE] = MeasuredRate()
+            rate.record(seconds, n, plain)
+            if rate.slower_than_plain(self.fallback_after):
+                r.speculative = False
+                self.fell_back += 1
 
     def describe(self) -> dict:
         d = {"verify": self.name, "calibration": self.note, "search": "first drop (sampled), whole curve (greedy)"}

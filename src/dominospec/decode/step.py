@@ -214,10 +214,9 @@ def plan_step(rows: Sequence[SeqState], proposer, policy, limit: int | None) -> 
     rooms = [r.room(proposer.block_size, limit) for r in rows]  # [R]
     draft = not proposer.drafter_pass or policy.wants_draft(rows)
     proposals = proposer.propose(rows, rooms, draft)  # [R]
-    if not draft:
-        for r, p in zip(rows, proposals):
-            if p is None:
-                r.res.draft_skipped += 1
+    for r, p in zip(rows, proposals):
+        if p is None and (not draft or not r.speculative):  # a plain step: skipped, or the row fell back
+            r.res.draft_skipped += 1
     verify = policy.verify_lengths(proposals, rows)  # [R], never from the target's verdict
     return StepPlan(list(rows), rooms, draft, proposals, verify)
 
@@ -302,7 +301,7 @@ def step(
         blocks[r.slot - lo] = block_tokens(r, p, k, dev)
         num_new[r.slot - lo] = k + 1
     ids, _ = pad_blocks(blocks)  # [R', S]
-    feats = proposer.needs_features
+    feats = proposer.needs_features and any(r.speculative for r in plan.rows)  # rows that decode plainly need none
     out = side.forward(ids, num_new, start=lo, layer_ids=layer_ids, with_features=feats)  # logits [R', S, V]
     accepted, nxts, errors = accept_rows(plan, out.logits, lo, rule)
     for r, n in zip(plan.rows, accepted):  # keep the context, the anchor and the accepted drafts
@@ -321,6 +320,7 @@ def step(
         if p is not None:
             policy.observe(p, k, n, r)  # the request's own acceptance, and the pooled one
     t3 = _clock(dev, timed)
+    policy.observe_step(plan.rows, t3 - t0, [len(x) for x in new])  # the running check of each request's rate
     return StepResult(plan, accepted, new, errors, (t1 - t0) + (t3 - t2), t2 - t1)
 
 
