@@ -92,17 +92,20 @@ def request(context=10):
 
 
 def test_a_measured_no_draft_overhead_turns_drafting_off():
-    """Protects: a request whose own cycles, measured, commit tokens slower than the profile's plain step (here:
-    cycles that draft nothing, each 5% dearer than a plain step) falls back to plain decoding after the warm-up;
-    one whose cycles are as cheap as a plain step, or dearer but committing more, keeps speculating."""
+    """Protects: a request whose own cycles, measured, commit tokens slower than a plain step (here: cycles that
+    draft nothing, each 5% dearer than the profile's plain step) falls back to plain decoding after the warm-up;
+    one whose cycles are as cheap as a plain step, or dearer but committing more, keeps speculating, and so does
+    one on a machine slower than when it was profiled (its forwards measure slower too)."""
     policy = CostPolicy(costs=CostTable({0: [0.010, 0.012, 0.014]}, draft_s=0.002), block_size=2, fallback_after=8)
     dear, even, paying = request(), request(), request()
-    for _ in range(8):
+    slow_machine = request()  # every forward 20% above the profile's price: its plain step is too (12 ms)
+    for i in range(8):
         assert dear.speculative  # not before the warm-up
-        policy.observe_step([dear], 0.0105, [1])
-        policy.observe_step([even], 0.0100, [1])
-        policy.observe_step([paying], 0.0150, [2])
-    assert not dear.speculative and even.speculative and paying.speculative
+        policy.observe_step([dear], 0.0105, [1], 0.0100, 1)
+        policy.observe_step([even], 0.0100, [1], 0.0100, 1)
+        policy.observe_step([paying], 0.0150, [2], 0.0140, 3)
+        policy.observe_step([slow_machine], 0.0165, [1 + i % 2], 0.0144, 2)  # 11 ms a token: above 10, under 12
+    assert not dear.speculative and even.speculative and paying.speculative and slow_machine.speculative
     assert policy.fell_back == 1
 
 

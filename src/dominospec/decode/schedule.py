@@ -353,8 +353,11 @@ class VerifyPolicy:
     def observe(self, proposal: Proposal, verified: int, accepted: int, row=None) -> None:
         """The outcome of a cycle with a proposal (row: the SeqState it was made for, where known)."""
 
-    def observe_step(self, rows: Sequence, seconds: float, committed: Sequence[int]) -> None:
-        """A whole step: its measured seconds and the tokens each row committed (the cost policy's running check)."""
+    def observe_step(
+        self, rows: Sequence, seconds: float, committed: Sequence[int], forward_s: float, new_tokens: int
+    ) -> None:
+        """A whole step: its measured seconds, forward_s of them the target forward over new_tokens tokens, and
+        the tokens each row committed (the cost policy's running check)."""
 
     def describe(self) -> dict:
         return {"verify": self.name}
@@ -460,26 +463,34 @@ class RunningAcceptance:
 
 class MeasuredRate:
     """A request's own measured seconds per committed token over its recent steps (decaying by `decay` per
-    step, a window of about 1 / (1 - decay) steps), next to what the device profile prices a plain step of the
-    same batch at: the running check behind the cost policy's fallback to plain decoding."""
+    step, a window of about 1 / (1 - decay) steps), next to what a plain step costs on this machine now: the
+    profile's plain step, scaled by how the target forwards of the same steps measured against the profile's
+    price of them (a machine busier or slower than when it was profiled moves both alike). The running check
+    behind the cost policy's fallback to plain decoding."""
 
     def __init__(self, decay: float = 0.97):
         self.decay = decay
-        self.seconds = self.tokens = self.plain_s = self.weight = 0.0
+        self.seconds = self.tokens = self.plain_s = self.forward_s = self.forward_price = self.weight = 0.0
         self.steps = 0
 
-    def record(self, seconds: float, tokens: int, plain_s: float) -> None:
-        """One step: its measured seconds, the tokens it committed for this request, the profile's plain step."""
+    def record(self, seconds: float, tokens: int, plain_s: float, forward_s: float, forward_price: float) -> None:
+        """One step: its measured seconds (forward_s of them the target's forward), the tokens it committed for
+        this request, the profile's price of a plain step and of the forward the step ran."""
         d = self.decay
         self.seconds = self.seconds * d + seconds
         self.tokens = self.tokens * d + tokens
         self.plain_s = self.plain_s * d + plain_s
+        self.forward_s = self.forward_s * d + forward_s
+        self.forward_price = self.forward_price * d + forward_price
         self.weight = self.weight * d + 1.0
         self.steps += 1
 
     def slower_than_plain(self, warmup: int) -> bool:
-        """After `warmup` steps: seconds per committed token above the plain step's (one token per step)."""
-        return self.steps >= warmup and self.seconds * self.weight > self.plain_s * self.tokens
+        """After `warmup` steps: seconds per committed token above a plain step's (one token per step) as this
+        machine runs it now: seconds / tokens > (plain_s / weight) * (forward_s / forward_price)."""
+        if self.steps < warmup:
+            return False
+        return self.seconds * self.weight * self.forward_price > self.plain_s * self.tokens * self.forward_s
 
 
 def _context(rows: Sequence) -> int:
@@ -608,20 +619,25 @@ class CostPolicy(ConfidencePolicy):
                 own = row.extra[ROW_ACCEPTANCE] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
             own.record(verified, accepted)
 
-    def observe_step(self, rows: Sequence, seconds: float, committed: Sequence[int]) -> None:
-        """A step's measured seconds and each row's committed tokens. A request whose own measured rate falls
-        under what the profile prices a plain step of this batch at (one token per row) decodes plainly from
-        then on (row.speculative = False: no proposals, no feature capture). Read from past steps only, so it
-        is lossless as the skip decision is."""
+    def observe_step(
+        self, rows: Sequence, seconds: float, committed: Sequence[int], forward_s: float, new_tokens: int
+    ) -> None:
+        """A step's measured seconds (forward_s of them the target forward over new_tokens tokens) and each row's
+        committed tokens. A request whose own measured seconds per token exceed a plain step's of this batch on
+        this machine now (MeasuredRate) decodes plainly from then on (row.speculative = False: no proposals, no
+        feature capture). Read from past steps only, so it is lossless as the skip decision is."""
         R, context = len(rows), _context(rows)
         plain = self.costs.step_seconds(R, R, context, draft=False)
+        price = self.costs.step_seconds(R, new_tokens, context, draft=False)
+        if math.isinf(price):
+            return
         for r, n in zip(rows, committed):
             if not r.speculative:
                 continue
             rate = r.extra.get(ROW_RATE)
             if rate is None:
                 rate = r.extra[ROW_RATE] = MeasuredRate()
-            rate.record(seconds, n, plain)
+            rate.record(seconds, n, plain, forward_s, price)
             if rate.slower_than_plain(self.fallback_after):
                 r.speculative = False
                 self.fell_back += 1

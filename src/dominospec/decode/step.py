@@ -320,7 +320,8 @@ def step(
         if p is not None:
             policy.observe(p, k, n, r)  # the request's own acceptance, and the pooled one
     t3 = _clock(dev, timed)
-    policy.observe_step(plan.rows, t3 - t0, [len(x) for x in new])  # the running check of each request's rate
+    # the running check of each request's measured rate
+    policy.observe_step(plan.rows, t3 - t0, [len(x) for x in new], t2 - t1, sum(num_new))
     return StepResult(plan, accepted, new, errors, (t1 - t0) + (t3 - t2), t2 - t1)
 
 
