@@ -62,26 +62,25 @@ def test_a_drafter_that_skipped_many_cycles_drafts_what_an_eager_one_drafts(samp
         assert torch.equal(a.draft_probs, b.draft_probs)
 
 
-def test_rows_that_decode_plainly_capture_no_features():
-    """Protects: a step whose rows all decode plainly (fallen back, or plain requests) asks the target for no
-    features, and the output stays plain decoding's."""
+def test_a_plain_request_in_a_drafter_engine_captures_no_features():
+    """Protects: steps (and prompt chunks) whose rows all decode plainly ask the target for no features (a plain
+    request beside a drafter), and the output stays plain decoding's."""
     target = tiny_target("llama", dtype=torch.float32, backend="native")
     drafter = tiny_drafter(target, block_size=4)
     asked = []
-    forward = target.forward
+    forward = target.forward_rows
 
     def spy(*args, **kw):
-        asked.append(kw.get("with_features"))
+        asked.append(args[6] if len(args) > 6 else kw.get("with_features"))
         return forward(*args, **kw)
 
-    target.forward = spy
-    policy = CostPolicy(costs=CostTable({0: [1e-9] * 5}, draft_s=1e-12), block_size=4, fallback_after=4)
-    from dominospec import generate_speculative
-
-    res = generate_speculative(target, drafter, PROMPTS[1], 24, eos_ids=[], verify=policy)
-    del target.forward
-    assert policy.fell_back == 1 and asked[-1] is False and asked[:2] == [True, True]
-    assert res.tokens == generate_autoregressive(target, PROMPTS[1], 24, eos_ids=[]).tokens
+    target.forward_rows = spy
+    engine = Engine(target, drafter, policy="fixed", max_batch=1)
+    h = engine.submit(EngineRequest(list(PROMPTS[1]), 12, eos_ids=[], speculative=False))
+    engine.run_until_idle()
+    del target.forward_rows
+    assert len(asked) >= 11 and not any(asked)
+    assert h.wait(0).tokens == generate_autoregressive(target, PROMPTS[1], 12, eos_ids=[]).tokens
 
 
 # ----- the cost model: a no-draft cycle that is dearer than a plain step -----
@@ -105,8 +104,12 @@ def test_a_measured_no_draft_overhead_turns_drafting_off():
         policy.observe_step([even], 0.0100, [1], 0.0100, 1)
         policy.observe_step([paying], 0.0150, [2], 0.0140, 3)
         policy.observe_step([slow_machine], 0.0165, [1 + i % 2], 0.0144, 2)  # 11 ms a token: above 10, under 12
-    assert not dear.speculative and even.speculative and paying.speculative and slow_machine.speculative
-    assert policy.fell_back == 1
+    assert [policy.resting(r) for r in (dear, even, paying, slow_machine)] == [True, False, False, False]
+    assert policy.rests == 1 and not policy.wants_draft([dear])  # no drafter pass while it rests
+    assert policy.verify_lengths([Proposal(torch.tensor([1, 2]), source="lookup")], [dear]) == [0]
+    for _ in range(policy.rest_steps):
+        policy.observe_step([dear], 0.0100, [1], 0.0100, 1)
+    assert not policy.resting(dear)  # then it measures again
 
 
 def test_the_skip_decision_is_computed_again_only_when_what_it_reads_moves(monkeypatch):

@@ -466,10 +466,14 @@ class MeasuredRate:
     step, a window of about 1 / (1 - decay) steps), next to what a plain step costs on this machine now: the
     profile's plain step, scaled by how the target forwards of the same steps measured against the profile's
     price of them (a machine busier or slower than when it was profiled moves both alike). The running check
-    behind the cost policy's fallback to plain decoding."""
+    behind the cost policy's rests: `rest_left` steps of plain decoding for this request, then a fresh window."""
 
     def __init__(self, decay: float = 0.97):
         self.decay = decay
+        self.rest_left = 0
+        self.restart()
+
+    def restart(self) -> None:
         self.seconds = self.tokens = self.plain_s = self.forward_s = self.forward_price = self.weight = 0.0
         self.steps = 0
 
@@ -514,7 +518,8 @@ class CostPolicy(ConfidencePolicy):
     block_size: int = 8  # drafts a drafter cycle proposes (for the skip decision)
     probe_every: int = 16  # while skipping, draft once every this many steps to refresh the estimate
     prior: list[float] | None = None  # the drafter's acceptance.json, the running estimate's starting point
-    fallback_after: int = 32  # steps a request runs before its own measured rate may turn it to plain decoding
+    fallback_after: int = 32  # steps a request runs before its own measured rate may send it to plain decoding
+    rest_steps: int = 64  # ... for this many steps (no drafter pass, no draft verified), then it measures again
     name = "cost"
 
     def __post_init__(self):
@@ -527,7 +532,7 @@ class CostPolicy(ConfidencePolicy):
             self.top_calibration = TopCalibration()
         self.skipped_in_a_row = 0
         self.skipped = 0
-        self.fell_back = 0  # requests turned to plain decoding by their measured rate
+        self.rests = 0  # times a request's measured rate sent it to plain decoding for rest_steps steps
         self._decided = (None, False)  # (what the last skip decision read, its answer)
 
     def estimates(self, proposal: Proposal) -> dict[str, torch.Tensor] | None:
@@ -556,8 +561,14 @@ class CostPolicy(ConfidencePolicy):
             out.append(tau / s)
         return out
 
+    def resting(self, row) -> bool:
+        """Whether the row's measured rate sent it to plain decoding for now (observe_step)."""
+        rate = (getattr(row, "extra", None) or {}).get(ROW_RATE)
+        return rate is not None and rate.rest_left > 0
+
     def verify_lengths(self, proposals, rows) -> list[int]:
-        survival = [[] if p is None else self.survival(p) for p in proposals]  # [R][len(proposal_r)]
+        # [R][len(proposal_r)]; a resting row verifies nothing
+        survival = [[] if p is None or self.resting(r) else self.survival(p) for p, r in zip(proposals, rows)]
         R, context, sampled = len(rows), _context(rows), _samples(rows)
         return allocate_verify(
             survival,
@@ -597,6 +608,8 @@ class CostPolicy(ConfidencePolicy):
         return self._decided[1]
 
     def wants_draft(self, rows) -> bool:
+        if all(self.resting(r) for r in rows):  # every row decodes plainly for now: no drafter pass
+            return False
         if not self.costs.drafting_costs or self.pays_now(rows) or self.skipped_in_a_row + 1 >= self.probe_every:
             self.skipped_in_a_row = 0
             return True
@@ -624,8 +637,9 @@ class CostPolicy(ConfidencePolicy):
     ) -> None:
         """A step's measured seconds (forward_s of them the target forward over new_tokens tokens) and each row's
         committed tokens. A request whose own measured seconds per token exceed a plain step's of this batch on
-        this machine now (MeasuredRate) decodes plainly from then on (row.speculative = False: no proposals, no
-        feature capture). Read from past steps only, so it is lossless as the skip decision is."""
+        this machine now (MeasuredRate) rests: it decodes plainly for rest_steps steps (no drafter pass for it, no
+        draft verified; its context still kept, so it can draft again), then measures afresh. Read from past steps
+        only, so it is lossless as the skip decision is."""
         R, context = len(rows), _context(rows)
         plain = self.costs.step_seconds(R, R, context, draft=False)
         price = self.costs.step_seconds(R, new_tokens, context, draft=False)
@@ -637,10 +651,14 @@ class CostPolicy(ConfidencePolicy):
             rate = r.extra.get(ROW_RATE)
             if rate is None:
                 rate = r.extra[ROW_RATE] = MeasuredRate()
+            if rate.rest_left > 0:
+                rate.rest_left -= 1
+                continue
             rate.record(seconds, n, plain, forward_s, price)
             if rate.slower_than_plain(self.fallback_after):
-                r.speculative = False
-                self.fell_back += 1
+                rate.rest_left = self.rest_steps
+                rate.restart()
+                self.rests += 1
 
     def describe(self) -> dict:
         d = {"verify": self.name, "calibration": self.note, "search": "first drop (sampled), whole curve (greedy)"}

@@ -162,7 +162,7 @@ def prefill(seq: SeqState, side, proposer, n: int, layer_ids=None) -> torch.Tens
     dev = side.target.device
     last = seq.prefilled + n == len(seq.prompt)
     ids = torch.tensor([seq.prompt[seq.prefilled : seq.prefilled + n]], device=dev)  # [1, n]
-    feats = proposer.needs_features
+    feats = proposer.needs_features and seq.speculative  # a plain request's prompt feeds no drafter
     out = side.forward(ids, start=seq.slot, logits="last" if last else "none", layer_ids=layer_ids, with_features=feats)
     if feats:
         proposer.extend(seq, out.features)
@@ -214,9 +214,10 @@ def plan_step(rows: Sequence[SeqState], proposer, policy, limit: int | None) -> 
     rooms = [r.room(proposer.block_size, limit) for r in rows]  # [R]
     draft = not proposer.drafter_pass or policy.wants_draft(rows)
     proposals = proposer.propose(rows, rooms, draft)  # [R]
-    for r, p in zip(rows, proposals):
-        if p is None and (not draft or not r.speculative):  # a plain step: skipped, or the row fell back
-            r.res.draft_skipped += 1
+    if not draft:
+        for r, p in zip(rows, proposals):
+            if p is None:
+                r.res.draft_skipped += 1
     verify = policy.verify_lengths(proposals, rows)  # [R], never from the target's verdict
     return StepPlan(list(rows), rooms, draft, proposals, verify)
 
