@@ -346,6 +346,10 @@ class VerifyPolicy:
         """Asked before proposing: False makes this step plain decoding for every row (no drafter pass)."""
         return True
 
+    def resting(self, row) -> bool:
+        """Whether this row decodes plainly for now (proposes nothing): the cost policy's measured-rate rests."""
+        return False
+
     def verify_lengths(self, proposals: Sequence[Proposal | None], rows: Sequence) -> list[int]:
         """k per row ([R]), from the proposals (drafts, confidences) and the rows' state only."""
         return [0 if p is None else len(p) for p in proposals]

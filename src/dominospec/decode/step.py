@@ -211,7 +211,7 @@ class StepResult:
 
 def plan_step(rows: Sequence[SeqState], proposer, policy, limit: int | None) -> StepPlan:
     """Rooms, the skip decision, proposals and verify lengths for these rows: everything but the forward."""
-    rooms = [r.room(proposer.block_size, limit) for r in rows]  # [R]
+    rooms = [0 if policy.resting(r) else r.room(proposer.block_size, limit) for r in rows]  # [R]; resting: none
     draft = not proposer.drafter_pass or policy.wants_draft(rows)
     proposals = proposer.propose(rows, rooms, draft)  # [R]
     if not draft:
