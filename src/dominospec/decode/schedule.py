@@ -522,7 +522,9 @@ class CostPolicy(ConfidencePolicy):
     block_size: int = 8  # drafts a drafter cycle proposes (for the skip decision)
     probe_every: int = 16  # while skipping, draft once every this many steps to refresh the estimate
     prior: list[float] | None = None  # the drafter's acceptance.json, the running estimate's starting point
-    fallback_after: int = 32  # steps a request runs before its own measured rate may send it to plain decoding
+    # steps a request runs before its own measured rate may send it to plain decoding; None: never (the default:
+    # on the eval sets, 1 and 2 threads, the rests cost prompt lookup and the hybrid more than they saved)
+    fallback_after: int | None = None
     rest_steps: int = 64  # ... for this many steps (no drafter pass, no draft verified), then it measures again
     name = "cost"
 
@@ -644,6 +646,8 @@ class CostPolicy(ConfidencePolicy):
         this machine now (MeasuredRate) rests: it decodes plainly for rest_steps steps (no drafter pass for it, no
         draft verified; its context still kept, so it can draft again), then measures afresh. Read from past steps
         only, so it is lossless as the skip decision is."""
+        if self.fallback_after is None:
+            return
         R, context = len(rows), _context(rows)
         plain = self.costs.step_seconds(R, R, context, draft=False)
         price = self.costs.step_seconds(R, new_tokens, context, draft=False)
