@@ -4,6 +4,7 @@ import argparse
 import json
 
 import pytest
+import torch
 from conftest import tiny_drafter
 
 from dominospec import SamplingConfig
@@ -433,8 +434,8 @@ def fake_llama_cpp(vocab: int, made: list):
     import types
 
     class Llama:
-        def __init__(self, model_path, n_ctx, n_threads, draft_model, verbose):
-            made.append({"path": model_path, "threads": n_threads, "draft": draft_model})
+        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, draft_model, verbose):
+            made.append({"path": model_path, "threads": n_threads, "batch": n_threads_batch, "draft": draft_model})
 
         def n_vocab(self):
             return vocab
@@ -482,6 +483,8 @@ def test_llamacpp_rows_run_beside_ours_and_are_not_held_to_ar(llama_target, tmp_
     assert res["ar"]["lossless_mismatches"] == 0
     assert res["llamacpp"]["lossless_mismatches"] is None and res["llamacpp"]["new_tokens"] == 5 * 3
     assert [m["draft"] is not None for m in made] == [False, True] and made[0]["path"] == str(gguf)
+    threads = torch.get_num_threads()  # the prompt is evaluated on the decoding threads, not on every core
+    assert all(m["threads"] == m["batch"] == threads for m in made)
     with pytest.raises(DominoError, match="no such file"):
         bench_methods.build_methods(["llamacpp"], target=llama_target, gguf=str(tmp_path / "missing.gguf"))
     module.Llama.n_vocab = lambda self: 7

@@ -228,7 +228,10 @@ class LlamaCpp(Method):
             llm = llama_cpp.Llama(
                 model_path=str(self.gguf),
                 n_ctx=target.max_positions or 2048,
+                # prompt evaluation on the same threads as decoding (llama.cpp's n_threads_batch otherwise defaults
+                # to every core, which on a pinned or shared core ran the prompt several times slower)
                 n_threads=torch.get_num_threads(),
+                n_threads_batch=torch.get_num_threads(),
                 draft_model=draft,
                 verbose=False,
             )

@@ -37,6 +37,10 @@ class PromptRun:
     lookup_cycles: int = 0  # cycles whose drafts prompt lookup copied
     draft_skipped: int = 0  # cycles the cost policy ran as a plain decode step (drafting did not pay)
     prompt_len: int = 0  # prompt tokens (where the run's context starts)
+    nodraft_steps: int = 0  # steps that verified no draft (every step of plain decoding), and their seconds:
+    nodraft_draft_s: float = 0.0  # ... proposing and observing
+    nodraft_verify_s: float = 0.0  # ... the target forward, acceptance and rollback
+    nodraft_s: float = 0.0  # ... the whole step
     timed_out: bool = False  # stopped at the per-prompt time limit: no output, counted apart
 
     @property
@@ -66,6 +70,10 @@ class PromptRun:
             lookup_cycles=res.lookup_cycles,
             draft_skipped=getattr(res, "draft_skipped", 0),
             prompt_len=getattr(res, "prompt_len", 0),
+            nodraft_steps=getattr(res, "nodraft_steps", 0),
+            nodraft_draft_s=getattr(res, "nodraft_draft_s", 0.0),
+            nodraft_verify_s=getattr(res, "nodraft_verify_s", 0.0),
+            nodraft_s=getattr(res, "nodraft_s", 0.0),
         )
 
 
@@ -149,6 +157,14 @@ def time_split(runs: Sequence[PromptRun]) -> dict:
     if not cycles and prefill > 0 and tokens > n:
         # plain decoding: the first token comes out of the prefill, each later one from one step
         out["decode_ms_per_step"] = 1e3 * (total - prefill) / (tokens - n)
+    nodraft = sum(r.nodraft_steps for r in runs)
+    if nodraft:  # a step that verified no draft, by part (ms): plain decoding's step, or a cycle that drafted nothing
+        whole = sum(r.nodraft_s for r in runs)
+        out["nodraft_steps"] = nodraft
+        out["nodraft_draft_ms"] = 1e3 * sum(r.nodraft_draft_s for r in runs) / nodraft
+        out["nodraft_verify_ms"] = 1e3 * sum(r.nodraft_verify_s for r in runs) / nodraft
+        out["nodraft_ms"] = 1e3 * whole / nodraft
+        out["nodraft_host_ms"] = out["nodraft_ms"] - out["nodraft_draft_ms"] - out["nodraft_verify_ms"]
     if cycles:
         out["draft_ms_per_cycle"] = 1e3 * draft / cycles
         out["verify_ms_per_cycle"] = 1e3 * verify / cycles

@@ -96,6 +96,24 @@ def format_time_table(methods: dict) -> str:
     return "\n".join(lines)
 
 
+def format_nodraft_table(methods: dict) -> str:
+    """Steps that verified no draft, by part: plain decoding's step (ar) next to each method's cycles that
+    drafted nothing, and their cost in plain steps."""
+    ar = methods.get(REFERENCE, {}).get("nodraft_ms")
+    lines = [
+        "| method | no-draft steps | draft ms | verify ms | host ms | ms/step | x plain step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, m in methods.items():
+        if not m.get("nodraft_steps"):
+            continue
+        lines.append(
+            f"| {name} | {m['nodraft_steps']} | {fmt(m['nodraft_draft_ms'])} | {fmt(m['nodraft_verify_ms'])} | "
+            f"{fmt(m['nodraft_host_ms'])} | {fmt(m['nodraft_ms'])} | {fmt(ar and m['nodraft_ms'] / ar, 3)} |"
+        )
+    return "\n".join(lines)
+
+
 def render_report(results: dict, plots: bool = False) -> str:
     cfg = results["config"]
     sampling = (
@@ -148,6 +166,12 @@ def render_report(results: dict, plots: bool = False) -> str:
         "is loop overhead the profile does not see.",
         "",
         format_time_table(results["methods"]),
+        "",
+        "Steps that verified no draft (every step of plain decoding; a speculative method's cycles that drafted "
+        "nothing), by part: draft = proposing and observing, verify = the target forward, acceptance and rollback, "
+        "host = the rest of the loop's step.",
+        "",
+        format_nodraft_table(results["methods"]),
         "",
     ]
     ar = results["methods"].get(REFERENCE, {})

@@ -335,6 +335,8 @@ def benchmark(
                     "lookup_cycles": r.lookup_cycles,
                     "draft_skipped": r.draft_skipped,
                     "prompt_len": r.prompt_len,
+                    "nodraft_steps": r.nodraft_steps,
+                    "nodraft_s": r.nodraft_s,
                     "timed_out": r.timed_out,
                     "tokens": r.tokens,
                 }

@@ -155,7 +155,10 @@ class LookupProposer:
         return [p for p, _ in self.matches(seqs, rooms)]
 
     def matches(self, seqs: list[SeqState], rooms: list[int]) -> list[tuple[Proposal | None, int]]:
-        return [s.lookup.propose(b, self.vocab_size, s.sampling, self.device) for s, b in zip(seqs, rooms)]
+        return [
+            s.lookup.propose(b, self.vocab_size, s.sampling, self.device) if b > 0 else (None, 0)
+            for s, b in zip(seqs, rooms)
+        ]
 
     def observe(self, seq: SeqState, proposal, verified, accepted, features) -> None:
         if proposal is not None and proposal.source == "lookup":

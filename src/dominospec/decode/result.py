@@ -52,6 +52,12 @@ class GenerationResult:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     total_s: float = 0.0
+    # steps that verified no draft (plain decoding's every step; a speculative loop's cycles without a proposal):
+    # how many, and their own draft / verify / whole-step seconds (what a cycle that drafts nothing costs)
+    nodraft_steps: int = 0
+    nodraft_draft_s: float = 0.0
+    nodraft_verify_s: float = 0.0
+    nodraft_s: float = 0.0
     notes: list[str] = field(default_factory=list)  # e.g. "max_new_tokens capped at the context"
 
     @property
@@ -97,5 +103,7 @@ class GenerationResult:
             "verify_s": self.verify_s,
             "prefill_s": self.prefill_s,
             "total_s": self.total_s,
+            "nodraft_steps": self.nodraft_steps,
+            "nodraft_s": self.nodraft_s,
             "notes": self.notes,
         }

@@ -30,6 +30,7 @@ A row (SeqState) gives the policy its context (committed_len) and its sampling s
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -212,10 +213,13 @@ class CostTable:
     def drafting_costs(self) -> bool:
         return self.draft_s > 0
 
+    def nearest_context(self, context: int) -> int:
+        """The profiled context whose prices stand for `context` (one decision holds while this does not move)."""
+        return min(self.verify_s, key=lambda c: abs(c - context))
+
     def verify_seconds(self, context: int) -> list[float]:
         """The verify row of the profiled context nearest to `context`."""
-        nearest = min(self.verify_s, key=lambda c: abs(c - context))
-        return self.verify_s[nearest]
+        return self.verify_s[self.nearest_context(context)]
 
     def step_seconds(self, rows: int, tokens: int, context: int = 0, draft: bool = True, sampled=False) -> float:
         """A forward over `tokens` new tokens (one row: B tokens in a row stand in for B in R rows), plus
@@ -259,6 +263,9 @@ class BatchCostTable:
     @property
     def drafting_costs(self) -> bool:
         return any(self.draft_s.values())
+
+    def nearest_context(self, context: int) -> int:
+        return self.context  # profiled at one context: every context prices alike
 
     def step_seconds(self, rows: int, tokens: int, context: int = 0, draft: bool = True, sampled=False) -> float:
         """Forward over `tokens` new tokens in `rows` rows (plus the draft pass), interpolated over B."""
@@ -340,12 +347,22 @@ class VerifyPolicy:
         """Asked before proposing: False makes this step plain decoding for every row (no drafter pass)."""
         return True
 
+    def resting(self, row) -> bool:
+        """Whether this row decodes plainly for now (proposes nothing): the cost policy's measured-rate rests."""
+        return False
+
     def verify_lengths(self, proposals: Sequence[Proposal | None], rows: Sequence) -> list[int]:
         """k per row ([R]), from the proposals (drafts, confidences) and the rows' state only."""
         return [0 if p is None else len(p) for p in proposals]
 
     def observe(self, proposal: Proposal, verified: int, accepted: int, row=None) -> None:
         """The outcome of a cycle with a proposal (row: the SeqState it was made for, where known)."""
+
+    def observe_step(
+        self, rows: Sequence, seconds: float, committed: Sequence[int], forward_s: float, new_tokens: int
+    ) -> None:
+        """A whole step: its measured seconds, forward_s of them the target forward over new_tokens tokens, and
+        the tokens each row committed (the cost policy's running check)."""
 
     def describe(self) -> dict:
         return {"verify": self.name}
@@ -400,6 +417,9 @@ class StaticPolicy(ConfidencePolicy):
         return {"verify": self.name, "confidence_threshold": self.threshold, "calibration": self.note}
 
 
+_SERIAL = itertools.count()
+
+
 class RunningAcceptance:
     """P(draft k accepted | drafts < k were), per block position, from recent drafter cycles.
 
@@ -413,8 +433,10 @@ class RunningAcceptance:
         self.prior = list(prior or [])
         self.judged: list[float] = []
         self.passed: list[float] = []
+        self.version = (next(_SERIAL), 0)  # (this estimate, outcomes seen): a decision read from it holds while equal
 
     def record(self, verified: int, accepted: int) -> None:
+        self.version = (self.version[0], self.version[1] + 1)
         self.judged = [j * self.decay for j in self.judged]
         self.passed = [p * self.decay for p in self.passed]
         while len(self.judged) < verified:
@@ -442,6 +464,42 @@ class RunningAcceptance:
         return out
 
 
+class MeasuredRate:
+    """A request's own measured seconds per committed token over its recent steps (decaying by `decay` per
+    step, a window of about 1 / (1 - decay) steps), next to what a plain step costs on this machine now: the
+    profile's plain step, scaled by how the target forwards of the same steps measured against the profile's
+    price of them (a machine busier or slower than when it was profiled moves both alike). The running check
+    behind the cost policy's rests: `rest_left` steps of plain decoding for this request, then a fresh window."""
+
+    def __init__(self, decay: float = 0.97):
+        self.decay = decay
+        self.rest_left = 0
+        self.restart()
+
+    def restart(self) -> None:
+        self.seconds = self.tokens = self.plain_s = self.forward_s = self.forward_price = self.weight = 0.0
+        self.steps = 0
+
+    def record(self, seconds: float, tokens: int, plain_s: float, forward_s: float, forward_price: float) -> None:
+        """One step: its measured seconds (forward_s of them the target's forward), the tokens it committed for
+        this request, the profile's price of a plain step and of the forward the step ran."""
+        d = self.decay
+        self.seconds = self.seconds * d + seconds
+        self.tokens = self.tokens * d + tokens
+        self.plain_s = self.plain_s * d + plain_s
+        self.forward_s = self.forward_s * d + forward_s
+        self.forward_price = self.forward_price * d + forward_price
+        self.weight = self.weight * d + 1.0
+        self.steps += 1
+
+    def slower_than_plain(self, warmup: int) -> bool:
+        """After `warmup` steps: seconds per committed token above a plain step's (one token per step) as this
+        machine runs it now: seconds / tokens > (plain_s / weight) * (forward_s / forward_price)."""
+        if self.steps < warmup:
+            return False
+        return self.seconds * self.weight * self.forward_price > self.plain_s * self.tokens * self.forward_s
+
+
 def _context(rows: Sequence) -> int:
     """Committed tokens before the anchor (the longest row's): which profiled context a cost reads."""
     return max((r.committed_len - 1 for r in rows), default=0)
@@ -464,11 +522,16 @@ class CostPolicy(ConfidencePolicy):
     block_size: int = 8  # drafts a drafter cycle proposes (for the skip decision)
     probe_every: int = 16  # while skipping, draft once every this many steps to refresh the estimate
     prior: list[float] | None = None  # the drafter's acceptance.json, the running estimate's starting point
+    # steps a request runs before its own measured rate may send it to plain decoding; None: never (the default:
+    # on the eval sets, 1 and 2 threads, the rests cost prompt lookup and the hybrid more than they saved)
+    fallback_after: int | None = None
+    rest_steps: int = 64  # ... for this many steps (no drafter pass, no draft verified), then it measures again
     name = "cost"
 
     def __post_init__(self):
         self.choice = ConfidenceChoice()  # kept across generations, as the top calibration
         self.own: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # row -> its own RunningAcceptance
+        self.measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # row -> its own MeasuredRate
         self.start()
 
     def start(self) -> None:
@@ -477,6 +540,8 @@ class CostPolicy(ConfidencePolicy):
             self.top_calibration = TopCalibration()
         self.skipped_in_a_row = 0
         self.skipped = 0
+        self.rests = 0  # times a request's measured rate sent it to plain decoding for rest_steps steps
+        self._decided = (None, False)  # (what the last skip decision read, its answer)
 
     def estimates(self, proposal: Proposal) -> dict[str, torch.Tensor] | None:
         """Both conditional confidences of a proposal that carries a head's logits and its top probabilities."""
@@ -504,8 +569,17 @@ class CostPolicy(ConfidencePolicy):
             out.append(tau / s)
         return out
 
+    def resting(self, row) -> bool:
+        """Whether the row's measured rate sent it to plain decoding for now (observe_step)."""
+        try:
+            rate = self.measured.get(row)
+        except TypeError:  # a row without an identity: never rests
+            return False
+        return rate is not None and rate.rest_left > 0
+
     def verify_lengths(self, proposals, rows) -> list[int]:
-        survival = [[] if p is None else self.survival(p) for p in proposals]  # [R][len(proposal_r)]
+        # [R][len(proposal_r)]; a resting row verifies nothing
+        survival = [[] if p is None or self.resting(r) else self.survival(p) for p, r in zip(proposals, rows)]
         R, context, sampled = len(rows), _context(rows), _samples(rows)
         return allocate_verify(
             survival,
@@ -533,8 +607,24 @@ class CostPolicy(ConfidencePolicy):
         with_draft = tau / self.costs.step_seconds(R, R + sum(ks), context, sampled=sampled)
         return with_draft > R / self.costs.step_seconds(R, R, context, draft=False)
 
+    def pays_now(self, rows: Sequence) -> bool:
+        """drafting_pays, computed again only when what it reads moved: the row count, the profiled context that
+        prices the step, sampling, or an estimate that learnt an outcome (a cycle that drafts nothing then costs
+        a few comparisons, not an allocation over the whole curve)."""
+        key = (
+            len(rows),
+            self.costs.nearest_context(_context(rows)),
+            _samples(rows),
+            tuple(self.acceptance_of(r).version for r in rows),
+        )
+        if self._decided[0] != key:
+            self._decided = (key, self.drafting_pays(rows))
+        return self._decided[1]
+
     def wants_draft(self, rows) -> bool:
-        if not self.costs.drafting_costs or self.drafting_pays(rows) or self.skipped_in_a_row + 1 >= self.probe_every:
+        if all(self.resting(r) for r in rows):  # every row decodes plainly for now: no drafter pass
+            return False
+        if not self.costs.drafting_costs or self.pays_now(rows) or self.skipped_in_a_row + 1 >= self.probe_every:
             self.skipped_in_a_row = 0
             return True
         self.skipped_in_a_row += 1
@@ -555,6 +645,36 @@ class CostPolicy(ConfidencePolicy):
             if own is self.acceptance:
                 own = self.own[row] = RunningAcceptance(prior=self.acceptance.conditional(self.block_size))
             own.record(verified, accepted)
+
+    def observe_step(
+        self, rows: Sequence, seconds: float, committed: Sequence[int], forward_s: float, new_tokens: int
+    ) -> None:
+        """A step's measured seconds (forward_s of them the target forward over new_tokens tokens) and each row's
+        committed tokens. A request whose own measured seconds per token exceed a plain step's of this batch on
+        this machine now (MeasuredRate) rests: it decodes plainly for rest_steps steps (no drafter pass for it, no
+        draft verified; its context still kept, so it can draft again), then measures afresh. Read from past steps
+        only, so it is lossless as the skip decision is."""
+        if self.fallback_after is None:
+            return
+        R, context = len(rows), _context(rows)
+        plain = self.costs.step_seconds(R, R, context, draft=False)
+        price = self.costs.step_seconds(R, new_tokens, context, draft=False)
+        if math.isinf(price):
+            return
+        for r, n in zip(rows, committed):
+            if not r.speculative:
+                continue
+            rate = self.measured.get(r)
+            if rate is None:
+                rate = self.measured[r] = MeasuredRate()
+            if rate.rest_left > 0:
+                rate.rest_left -= 1
+                continue
+            rate.record(seconds, n, plain, forward_s, price)
+            if rate.slower_than_plain(self.fallback_after):
+                rate.rest_left = self.rest_steps
+                rate.restart()
+                self.rests += 1
 
     def describe(self) -> dict:
         d = {"verify": self.name, "calibration": self.note, "search": "first drop (sampled), whole curve (greedy)"}

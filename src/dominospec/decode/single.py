@@ -138,6 +138,7 @@ def decode(
     if on_tokens:
         on_tokens(new, res.sources[-len(new) :]) if marks else on_tokens(new)
     while not row.done:
+        t_step = time.perf_counter()
         out = step([row], proposer, policy, side, target.max_positions, layers, timed=True, rule=rule)
         if out.errors[0] is not None:
             raise out.errors[0]
@@ -149,6 +150,11 @@ def decode(
         new = out.new[0]
         if on_tokens and new:
             on_tokens(new, res.sources[-len(new) :]) if marks else on_tokens(new)
+        if k == 0:  # a step that verified no draft: what it costs against a plain step
+            res.nodraft_steps += 1
+            res.nodraft_draft_s += out.draft_s
+            res.nodraft_verify_s += out.verify_s
+            res.nodraft_s += time.perf_counter() - t_step
     synchronize(dev)
     res.total_s = time.perf_counter() - t0
     return res

@@ -198,7 +198,7 @@ def prefill(seq: SeqState, side: TargetSide, proposer: Proposer, n: int, layer_i
     dev = side.target.device
     last = seq.prefilled + n == len(seq.prompt)
     ids = torch.tensor([seq.prompt[seq.prefilled : seq.prefilled + n]], device=dev)  # [1, n]
-    feats = proposer.needs_features
+    feats = proposer.needs_features and seq.speculative  # a plain request's prompt feeds no drafter
     out = side.forward(ids, start=seq.slot, logits="last" if last else "none", layer_ids=layer_ids, with_features=feats)
     if feats:
         proposer.extend(seq, out.features)
@@ -247,7 +247,7 @@ class StepResult:
 
 def plan_step(rows: Sequence[SeqState], proposer: Proposer, policy: Policy, limit: int | None) -> StepPlan:
     """Rooms, the skip decision, proposals and verify lengths for these rows: everything but the forward."""
-    rooms = [r.room(proposer.block_size, limit) for r in rows]  # [R]
+    rooms = [0 if policy.resting(r) else r.room(proposer.block_size, limit) for r in rows]  # [R]; resting: none
     draft = not proposer.drafter_pass or policy.wants_draft(rows)
     proposals = proposer.propose(rows, rooms, draft)  # [R]
     if not draft:
@@ -338,7 +338,7 @@ def step(
         blocks[r.slot - lo] = block_tokens(r, p, k, dev)
         num_new[r.slot - lo] = k + 1
     ids, _ = pad_blocks(blocks)  # [R', S]
-    feats = proposer.needs_features
+    feats = proposer.needs_features and any(r.speculative for r in plan.rows)  # rows that decode plainly need none
     out = side.forward(ids, num_new, start=lo, layer_ids=layer_ids, with_features=feats)  # logits [R', S, V]
     accepted, nxts, errors = accept_rows(plan, out.logits, lo, rule)
     for r, n in zip(plan.rows, accepted):  # keep the context, the anchor and the accepted drafts
@@ -357,6 +357,8 @@ def step(
         if p is not None:
             policy.observe(p, k, n, r)  # the request's own acceptance, and the pooled one
     t3 = _clock(dev, timed)
+    # the running check of each request's measured rate
+    policy.observe_step(plan.rows, t3 - t0, [len(x) for x in new], t2 - t1, sum(num_new))
     return StepResult(plan, accepted, new, errors, (t1 - t0) + (t3 - t2), t2 - t1)
 
 
