@@ -1,7 +1,6 @@
 """Speculation that never costs: a cycle that drafts nothing stays a plain step, and the cost policy turns drafting
 off where the measured rate or the batch's verify price says it does not pay."""
 
-
 import pytest
 import torch
 from conftest import PROMPTS, tiny_drafter, tiny_target
