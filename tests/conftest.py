@@ -575,6 +575,13 @@ def qwen3_real(qwen3_tokenizer_dir) -> Target:
 # ----- a saved char-level model with a seed (reliability tests: same shapes, other weights) -----
 
 
+def init_char_drafter(char_model: Path, d: Path) -> Path:
+    """`dominospec init` of a tiny untrained drafter for a saved char model (block 2), through the real CLI."""
+    argv = ["init", "--target", char_model, "--out", d, "--layers", "1", "--block-size", "2", "--mask-token-id", "5"]
+    assert cli.main([str(a) for a in [*argv, "--gru-hidden-size", "8", "--rank", "4"]]) == 0
+    return d
+
+
 def save_char_model(d: Path, context: int = 64, seed: int = 0) -> Path:
     """A tiny Llama behind a one-token-per-character tokenizer and a chat template, `context` positions.
 

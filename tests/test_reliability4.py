@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import run_cli, save_char_model, serving, tiny_chat_target, write_prompts
+from conftest import init_char_drafter, run_cli, save_char_model, serving, tiny_chat_target, write_prompts
 
 from dominospec import cli
 
@@ -36,10 +36,7 @@ def char_model(shared_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def drafter_dir(char_model, shared_dir) -> Path:
-    d = shared_dir / "drafter"
-    argv = ["init", "--target", char_model, "--out", d, "--layers", "1", "--block-size", "2", "--mask-token-id", "5"]
-    assert cli.main([str(a) for a in [*argv, "--gru-hidden-size", "8", "--rank", "4"]]) == 0
-    return d
+    return init_char_drafter(char_model, shared_dir / "drafter")
 
 
 def snapshot(path: Path) -> dict[str, bytes]:
