@@ -189,8 +189,8 @@ def test_int8_dot_equals_a_float64_reference_of_its_own_arithmetic_to_the_last_b
     """Protects: int8-dot (int8 weights x activations quantised per row in blocks of 32, integer sums, one fixed
     scaling order) is exactly the arithmetic it states, on VNNI and on AVX2's instructions alike: ragged N, K not
     a multiple of 4 or 32 (ragged last group and quad), zero blocks, symmetric and affine weight groups, 1..16
-    rows (a few rows walk a panel's vectors together, more one vector at a time, a ragged panel's empty vector
-    skipped); a wrong weight or a path that rounds differently would not be equal."""
+    rows (groups of up to 12: totals in registers, then in memory); a wrong weight or a path that rounds
+    differently would not be equal."""
     needs(kernels, path)
     g = torch.Generator().manual_seed(3)
     for n, k in SHAPES + [(96, 576)]:

@@ -32,12 +32,9 @@ namespace dominospec {
 
 constexpr int QUAD = 4;  // k per int32 lane of one dot-product instruction
 constexpr int ROW_INFO = 3;  // per row and block: d, d * sum(qx), 128 * sum(qx)
-// Rows a group: past INT8_DOT_BOTH_HALVES rows a group walks the panel one vector of columns at a time, with R
-// integer sums, R fp32 totals, a weight vector, the group's scale and offset and a few temporaries in registers
-// (the totals of more than 6 rows had sat in memory when both vectors were walked at once)
+// Rows a group: the integer sums take R x NV registers, plus NV weight vectors and a broadcast; the fp32 totals
+// another R x NV up to MR_DOT / 2 rows, beyond that they sit in memory (touched once per group of k)
 constexpr int MR_DOT = VREGS == 32 ? 12 : 4;
-constexpr int INT8_DOT_BOTH_HALVES = 2;
-constexpr int INT8_DOT_PREFETCH = 16;  // panel rows (k-quads) ahead while both vectors are walked at once
 
 // The value never leaves a register through the compiler's view: a product is not fused into the next add.
 inline vf rounded(vf v) {
@@ -79,75 +76,56 @@ struct DotAvx2 {
 #endif
 
 // R rows through one panel: xq [R][ldx] int8 (k padded to whole quads with 0), wp [K4][NR][4] biased weights,
-// so [groups][2][NR] the panel's scales then offsets per group, info [R][groups][ROW_INFO], qg quads a group.
-// H of the panel's NV vectors at a time: all of them for a few rows (more independent sums to hide the
-// instruction's latency), one for many (R integer sums and R totals, all in registers: the second pass reads the
-// panel from the cache). Neither changes any output element's order of operations.
-template <typename Dot, int R, int H>
-inline void panel_int8_dot_pass(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __restrict wp, int64_t K4,
-                                int v0, float* __restrict y, int64_t ldy, int64_t ncols,
-                                const float* __restrict bias, const float* __restrict so,
-                                const float* __restrict info, int64_t qg) {
+// so [groups][2][NR] the panel's scales then offsets per group, info [R][groups][ROW_INFO], qg quads a group
+template <typename Dot, int R>
+void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __restrict wp, int64_t K4,
+                    float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
+                    const float* __restrict so, const float* __restrict info, int64_t qg) {
   const int64_t groups = (K4 + qg - 1) / qg;
-  vf acc[R][H];
+  vf acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < H; ++v) acc[r][v] = vf{};
+    for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
+  constexpr bool in_memory = R > MR_DOT / 2;
+  if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   for (int64_t g = 0; g < groups; ++g) {
-    vi isum[R][H];  // VNNI's start at -128 * sum(qx): they end at sum(q * qx), exactly
+    vi isum[R][NV];  // VNNI's start at -128 * sum(qx): they end at sum(q * qx), exactly
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int32_t start = Dot::BIASED ? -static_cast<int32_t>(info[(r * groups + g) * ROW_INFO + 2]) : 0;
-      for (int v = 0; v < H; ++v) isum[r][v] = vi{} + start;
+      for (int v = 0; v < NV; ++v) isum[r][v] = vi{} + start;
     }
     const int64_t q1 = std::min(K4, (g + 1) * qg);
     for (int64_t q = g * qg; q < q1; ++q) {
       const uint8_t* wk = wp + q * NR * QUAD;
-      if constexpr (H == NV)
-        prefetch_row(wk + INT8_DOT_PREFETCH * NR * QUAD, NR * QUAD);
-      else  // the next panel's line of this quad meanwhile (its first half now, the second in the second pass)
-        __builtin_prefetch(wk + K4 * NR * QUAD + v0 * VW * QUAD);
-      vi w[H];
-      for (int v = 0; v < H; ++v) std::memcpy(&w[v], wk + (v0 + v) * VW * QUAD, sizeof(vi));
+      prefetch_row(wk + PREFETCH * NR * QUAD, NR * QUAD);
+      vi w[NV];
+      for (int v = 0; v < NV; ++v) std::memcpy(&w[v], wk + v * VW * QUAD, sizeof(vi));
 #pragma GCC unroll 16  // every row's sums in registers (a rolled loop kept them on the stack)
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xq + r * ldx + q * QUAD, sizeof(four));
         const vi xb = vi{} + four;  // the row's 4 activations in every lane
-        for (int v = 0; v < H; ++v) isum[r][v] = Dot::madd(isum[r][v], w[v], xb);
+        for (int v = 0; v < NV; ++v) isum[r][v] = Dot::madd(isum[r][v], w[v], xb);
       }
     }
-    if constexpr (H < NV)  // and the next panel's scales and offsets of this group
-      for (int l = 0; l < NR; l += 64 / static_cast<int>(sizeof(float)))
-        __builtin_prefetch(so + (groups + g) * 2 * NR + v0 * NR + l);
-    vf sg[H], og[H];
-    for (int v = 0; v < H; ++v) {
-      sg[v] = load_vf(so + g * 2 * NR + (v0 + v) * VW);
-      og[v] = load_vf(so + g * 2 * NR + NR + (v0 + v) * VW);
+    vf sg[NV], og[NV];
+    for (int v = 0; v < NV; ++v) {
+      sg[v] = load_vf(so + g * 2 * NR + v * VW);
+      og[v] = load_vf(so + g * 2 * NR + NR + v * VW);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const float* ri = info + (r * groups + g) * ROW_INFO;
       const float d = ri[0], dsum = ri[1];
-      for (int v = 0; v < H; ++v) {
+      for (int v = 0; v < NV; ++v) {
         const vf dot = __builtin_convertvector(isum[r][v], vf);  // exact: |dot| < 2^24
         acc[r][v] += rounded(dot * rounded(sg[v] * d));
         acc[r][v] += rounded(og[v] * dsum);
       }
     }
+    if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   }
-  store<R, H>(acc, y + v0 * VW, ldy, std::min<int64_t>(ncols - v0 * VW, H * VW), bias ? bias + v0 * VW : nullptr);
-}
-
-template <typename Dot, int R>
-void panel_int8_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __restrict wp, int64_t K4,
-                    float* __restrict y, int64_t ldy, int64_t ncols, const float* __restrict bias,
-                    const float* __restrict so, const float* __restrict info, int64_t qg) {
-  if constexpr (R <= INT8_DOT_BOTH_HALVES) {
-    panel_int8_dot_pass<Dot, R, NV>(xq, ldx, wp, K4, 0, y, ldy, ncols, bias, so, info, qg);
-  } else {
-    for (int v = 0; v < NV && v * VW < ncols; ++v)  // a ragged last panel skips its empty vectors
-      panel_int8_dot_pass<Dot, R, 1>(xq, ldx, wp, K4, v, y, ldy, ncols, bias, so, info, qg);
-  }
+  store<R>(acc, y, ldy, ncols, bias);
 }
 
 }  // namespace dominospec
