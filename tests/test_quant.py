@@ -438,6 +438,31 @@ def test_a_row_of_a_ragged_batch_has_its_own_bits(fmt, kernels, monkeypatch):
         assert torch.equal(own[0], together[r, : len(new[r])]), f"row {r}"
 
 
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int8-dot"])
+def test_a_prompt_prefilled_in_chunks_has_the_bits_of_one_prefill(fmt, kernels, monkeypatch):
+    """Protects: a prompt prefilled whole, or in chunks of any sizes (the engine's chunked prefill, whose chunks
+    depend on the load), leaves the same logits and cache: prefill attends one query at a time in the kernel as
+    decode does. Before, chunks of more than 16 tokens went through SDPA, whose sums depend on the chunk's shape:
+    int8-dot's activation rounding turned that into an engine request at concurrency 8 written differently."""
+    needs(kernels, fmt)
+    weights = weights_of(fmt, monkeypatch)
+    native = Target(llama_fp32(0, **SMOL_ATTENTION), name="tiny-smol", backend="native", weights=weights).native
+    prompt = [(7 * i) % 90 + 1 for i in range(120)]
+
+    def prefill(sizes):
+        cache, start, out = native.new_cache(1, 256), 0, None
+        for size in sizes:
+            out, _ = native(torch.tensor([prompt[start : start + size]]), cache, logits="last")
+            start += size
+        return out, cache
+
+    whole, cache = prefill([120])
+    for sizes in ([100, 20], [60, 60], [16, 104], [119, 1], [40, 40, 40]):
+        out, chunked = prefill(sizes)
+        assert torch.equal(out, whole), sizes
+        assert torch.equal(chunked.k[:, :, :, :120], cache.k[:, :, :, :120]), sizes
+
+
 def test_the_attention_kernel_is_attention(kernels):
     """Protects: the per-query kernel computes causal grouped-query attention over each row's cache prefix
     (SDPA as the reference, to fp32 tolerance), rows at different starts."""
