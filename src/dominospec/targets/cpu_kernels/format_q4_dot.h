@@ -66,12 +66,6 @@ struct Q4Avx2 {
 };
 #endif
 
-// Bytes ahead of the panel (and of its scales) a block prefetches. Decode streams every panel once from memory, so
-// the distance covers the memory latency at the kernel's pace, not only the next octets.
-#ifndef Q4_PREFETCH_BYTES
-#define Q4_PREFETCH_BYTES 1024
-#endif
-
 // R rows through one panel: xq [R][ldx] int8 (whole blocks), wp [G][OCTETS][NR][4] nibble pairs, so [G][2][NR]
 // float16 scales then offsets, info [R][G][ROW_INFO] (int8-dot's row quantisation). EIGHT: a Q8_0 tensor instead,
 // wp [G][8][NR][4] holding q + 128 (int8-dot's bias, so Dot is int8-dot's DotVnni / DotAvx2) and so [G][1][NR] its
@@ -83,12 +77,7 @@ void panel_q4_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __res
   typedef uint16_t vh2 __attribute__((vector_size(sizeof(vi))));  // a vi's bytes as 16-bit lanes, for the shift
   constexpr int64_t OCTET_BYTES = NR * QUAD;
   constexpr int STEPS = EIGHT ? 2 * OCTETS : OCTETS;  // weight rows of NR x 4 bytes a block
-  constexpr int64_t BLOCK_BYTES = STEPS * OCTET_BYTES;
   constexpr int PAIRS = EIGHT ? 1 : 2;  // float16 values a column and block
-  // Integer sums a row and vector: with one or two rows, R x NV chains of dependent dot products are too few to
-  // hide their latency, so the low and high nibbles (8 bits: even and odd octets) sum apart and meet at the block's
-  // end (integer sums: the same value in any order)
-  constexpr int SPLIT = R <= 2 ? 2 : 1;
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) acc[r][v] = vf{};
@@ -96,16 +85,12 @@ void panel_q4_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __res
   constexpr bool in_memory = R > Q4_TOTALS_IN_REGISTERS;
   if constexpr (in_memory) asm volatile("" : : "r"(acc) : "memory");
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = wp + g * BLOCK_BYTES;
-    prefetch_row(wg + Q4_PREFETCH_BYTES, BLOCK_BYTES);
-    prefetch_row(so + (g + Q4_PREFETCH_BYTES / BLOCK_BYTES) * PAIRS * NR, PAIRS * NR * 2);
-    vi isum[SPLIT][R][NV];
-    for (int s = 0; s < SPLIT; ++s)
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < NV; ++v) isum[s][r][v] = vi{};
-#pragma GCC unroll 8
+    vi isum[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) isum[r][v] = vi{};
     for (int o = 0; o < STEPS; ++o) {
-      const uint8_t* wk = wg + o * OCTET_BYTES;
+      const uint8_t* wk = wp + (g * STEPS + o) * OCTET_BYTES;
+      prefetch_row(wk + PREFETCH * OCTET_BYTES, OCTET_BYTES);
       vi lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
         vi w;
@@ -114,21 +99,16 @@ void panel_q4_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __res
         if constexpr (!EIGHT) hi[v] = (vi)((vh2)w >> 4) & low;
       }
       const int64_t k = g * Q4_BLOCK + o * (EIGHT ? 1 : 2) * QUAD;
-#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         int32_t first, second;
         std::memcpy(&first, xq + r * ldx + k, sizeof(first));
         const vi xa = vi{} + first;  // the row's 4 activations in every lane
         if constexpr (EIGHT) {
-          vi(&sum)[NV] = isum[o % SPLIT][r];
-          for (int v = 0; v < NV; ++v) sum[v] = Dot::madd(sum[v], lo[v], xa);
+          for (int v = 0; v < NV; ++v) isum[r][v] = Dot::madd(isum[r][v], lo[v], xa);
         } else {
           std::memcpy(&second, xq + r * ldx + k + QUAD, sizeof(second));
           const vi xb = vi{} + second;
-          for (int v = 0; v < NV; ++v) {
-            isum[0][r][v] = Dot::madd(isum[0][r][v], lo[v], xa);
-            isum[SPLIT - 1][r][v] = Dot::madd(isum[SPLIT - 1][r][v], hi[v], xb);
-          }
+          for (int v = 0; v < NV; ++v) isum[r][v] = Dot::madd(Dot::madd(isum[r][v], lo[v], xa), hi[v], xb);
         }
       }
     }
@@ -137,14 +117,11 @@ void panel_q4_dot(const int8_t* __restrict xq, int64_t ldx, const uint8_t* __res
       sg[v] = widen_half(so + g * PAIRS * NR + v * VW);
       if constexpr (!EIGHT) og[v] = widen_half(so + g * PAIRS * NR + NR + v * VW);
     }
-#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const float* ri = info + (r * groups + g) * ROW_INFO;
       const float d = ri[0], dsum = ri[1];
       for (int v = 0; v < NV; ++v) {
-        vi whole = isum[0][r][v];
-        if constexpr (SPLIT == 2) whole += isum[1][r][v];
-        vf dot = __builtin_convertvector(whole, vf);  // exact: |dot| < 2^24
+        vf dot = __builtin_convertvector(isum[r][v], vf);  // exact: |dot| < 2^24
         if constexpr (EIGHT && Dot::BIASED) dot -= ri[2];  // 128 * sum(qx) off, exactly
         acc[r][v] += rounded(dot * rounded(sg[v] * d));
         if constexpr (!EIGHT) acc[r][v] += rounded(og[v] * dsum);
