@@ -28,11 +28,11 @@ def timed(fn) -> float:
 def run_linears(native, inputs: dict) -> None:
     """Every packed linear of one forward on the rows of `inputs` (by input width)."""
     for b in native.blocks:
-        b.qkv.kernel(inputs[b.qkv.kernel.panels.shape[1]])
-        b.o.kernel(inputs[b.o.kernel.panels.shape[1]])
-        b.gate_up.kernel(inputs[b.gate_up.kernel.panels.shape[1]])
-        b.down.kernel.after_silu_mul(inputs[2 * b.down.kernel.panels.shape[1]])
-    native.lm_head.kernel(inputs[native.lm_head.kernel.panels.shape[1]])
+        b.qkv.kernel(inputs[b.qkv.kernel.in_features])
+        b.o.kernel(inputs[b.o.kernel.in_features])
+        b.gate_up.kernel(inputs[b.gate_up.kernel.in_features])
+        b.down.kernel.after_silu_mul(inputs[2 * b.down.kernel.in_features])
+    native.lm_head.kernel(inputs[native.lm_head.kernel.in_features])
 
 
 def run_attention(native, cache, q: torch.Tensor, starts: torch.Tensor) -> None:
@@ -63,7 +63,7 @@ def main() -> None:
             tokens = torch.randint(0, target.vocab_size, (1, k), generator=gen)
             inputs = {}
             for lin in linears:  # down reads gate_up's [k, 2I] through its fused SiLU-mul
-                width = lin.kernel.panels.shape[1] * (2 if lin in [b.down for b in blocks] else 1)
+                width = lin.kernel.in_features * (2 if lin in [b.down for b in blocks] else 1)
                 inputs.setdefault(width, torch.randn(k, width, generator=gen))
 
             q = torch.randn(1, k, cfg.num_heads, cfg.head_dim, generator=gen)

@@ -54,9 +54,8 @@ def tiny_hf(arch: str, seed: int = 0):
     )
     if arch == "qwen3":  # transformers reads no head_dim from a qwen3 GGUF: Qwen3's own 128
         common.update(num_attention_heads=2, num_key_value_heads=1, head_dim=128)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[
-        arch
-    ]
+    configs = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+    cls = configs.get(arch, transformers.MistralConfig)
     model = transformers.AutoModelForCausalLM.from_config(cls(**common)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -77,11 +76,15 @@ def llama_cpp_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, arch: str, kind: str, arch_name: str | None = None, override: dict | None = None):
+def write_gguf(
+    path, model, arch: str, kind: str, arch_name: str | None = None, override: dict | None = None, name: str = ""
+):
     """The model as llama.cpp would write it in `kind` (norms in F32), with a byte-level BPE tokenizer and a
-    chat template in the metadata; override: GGUF tensor name -> (array, type) written instead."""
+    chat template in the metadata; override: GGUF tensor name -> (array, type) written instead; name: general.name."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch_name or arch)
+    if name:
+        w.add_name(name)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -167,6 +170,23 @@ def test_a_gguf_target_computes_the_files_dequantised_weights(arch, kind, tmp_pa
     text = target.tokenizer.apply_chat_template(messages, tokenize=False)
     assert text == "<|im_start|>user:abcd<|im_end|>" and target.eos_ids and 2 in target.eos_ids
     assert target.encode_chat(messages)[:1] == [1] and 94 in target.encode_chat(messages)
+
+
+def test_a_mistral_gguf_loads_as_llama_cpp_writes_it(tmp_path):
+    """Protects: a Mistral model as llama.cpp's converter writes it (architecture "llama", q/k rows permuted, an
+    untied head, a name of its own) loads as a target computing its dequantised weights (as Llama: the same layers;
+    transformers' Mistral class from a GGUF needs a gguf-py that knows "mistral", which this one does not), and its
+    4-bit blocks reach q4-dot's panels."""
+    path = tmp_path / "tiny-mistral.Q4_1.gguf"
+    write_gguf(path, tiny_hf("mistral"), "llama", "Q4_1", name="Mistral-7B-Instruct-tiny")
+    target = Target.load(str(path), dtype="float32", backend="native")
+    assert type(target.model).__name__ == "LlamaForCausalLM"
+    ref = dequantized_model(tiny_hf("mistral"), "Q4_1")
+    ids = torch.tensor([[5, 9, 30, 31, 44, 2, 7, 8, 9, 10, 94, 95]])
+    got = target.forward(ids, target.new_cache(), with_features=False).logits
+    assert (got - ref(input_ids=ids).logits).abs().max().item() < 1e-4
+    q4 = Target.load(str(path), dtype="q4-dot", backend="native")
+    assert q4.native.blocks[0].qkv.kernel.format == "q4_octets" and q4.native.lm_head.kernel.format == "q4_octets"
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])

@@ -225,7 +225,7 @@ class PackedLinear:
         from .quant import INT8_GROUP, quantize_int8
 
         self.module = module
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.format = kernel_format(module, weight_format)
         from_blocks = weight_format == "q4-dot" and blocks is not None  # the file's own blocks, not requantised
         if from_blocks:
