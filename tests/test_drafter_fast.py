@@ -293,16 +293,20 @@ def test_shipped_drafter_packed_output_is_plain_greedy(monkeypatch, smollm, ship
 
 
 @pytest.mark.parametrize("fmt", [None, "int8"])
-def test_drafter_weights_follow_the_target_or_the_switch(monkeypatch, fmt):
-    """Protects: the packed drafter streams the target's weight format unless DOMINOSPEC_DRAFTER_WEIGHTS says
-    otherwise (a bad value is refused by name); int8 and bf16 panels stream fewer bytes."""
+def test_drafter_weights_follow_the_target_on_its_dot_product_or_the_switch(monkeypatch, fmt):
+    """Protects: the packed drafter streams the target's weight format, int8 on the kernel's int8 dot product
+    where it has one, unless DOMINOSPEC_DRAFTER_WEIGHTS says otherwise (a bad value is refused by name); int8 and
+    bf16 panels stream fewer bytes."""
     from dominospec.drafter.fast import WEIGHTS_SWITCH
 
-    if load_kernels() is None:
+    module = load_kernels()
+    if module is None:
         pytest.skip("the small-M kernel does not build here")
     target = tiny_target("qwen3", dtype=torch.float32, backend="native", weights=fmt)
     drafter = make_drafter(target, "domino", confidence=True, draft_vocab=40)
-    assert drafter.weight_format == (fmt or "float32")
+    assert drafter.weight_format == ("int8-dot" if fmt == "int8" and module.int8_dot_paths() else fmt or "float32")
+    monkeypatch.setattr(module, "int8_dot_paths", lambda: [])  # a CPU without one
+    assert drafter.attach(target).weight_format == (fmt or "float32")
     sizes = {}
     for weights in ("float32", "bfloat16-dot", "int8"):
         monkeypatch.setenv(WEIGHTS_SWITCH, weights)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..sampling import pick_per_row
-from ..targets.kernels import PackedLinear
+from ..targets.kernels import PackedLinear, load_kernels
 from .layers import rope_tables
 
 ENV_SWITCH = "DOMINOSPEC_DRAFTER_FAST"  # "off": the drafter's library path (today's), for A/B runs
@@ -79,14 +79,21 @@ DRAFTER_FORMATS = ("float32", "bfloat16", "bfloat16-dot", "int8", "int8-dot")
 
 def drafter_weight_format(target) -> str:
     """The format the packed drafter streams its weights in: DOMINOSPEC_DRAFTER_WEIGHTS, else ("auto") the
-    target's own weight format (int8 for the bundled SmolLM2 under --dtype auto), else float32. bfloat16-dot:
-    bf16 weights on the CPU's bf16 dot product (AVX512-BF16; activations rounded to bf16 too), twice the
-    multiply-adds per instruction; int8-dot: int8 weights x activations quantised per row to int8 (AVX512-VNNI
-    or AVX2). Only the drafts' speed and acceptance depend on it: verification keeps the
-    output the target's."""
+    target's own weight format (int8 for the bundled SmolLM2 under --dtype auto), else float32, with int8 on the
+    int8 dot product where the kernel has one (AVX512-VNNI or AVX2): a draft cycle's 8 rows then stream at memory
+    speed, where int8 panels with fp32 activations pay one FMA per weight and row. bfloat16-dot: bf16 weights on
+    the CPU's bf16 dot product (AVX512-BF16; activations rounded to bf16 too), twice the multiply-adds per
+    instruction; int8-dot: int8 weights x activations quantised per row to int8. Only the drafts' speed and
+    acceptance depend on it: verification keeps the output the target's (the shipped drafter's acceptance in
+    int8-dot equals int8's: docs/speed.md)."""
     choice = os.environ.get(WEIGHTS_SWITCH, "auto").strip().lower()
     if choice == "auto":
-        return getattr(target, "weight_only", None) or "float32"
+        own = getattr(target, "weight_only", None) or "float32"
+        if own == "int8" and torch.device(getattr(target, "device", "cpu")).type == "cpu":
+            module = load_kernels()
+            if module is not None and module.int8_dot_paths():
+                return "int8-dot"
+        return own
     if choice not in DRAFTER_FORMATS:
         raise ValueError(f"{WEIGHTS_SWITCH}={choice!r}: expected one of {', '.join(DRAFTER_FORMATS)} or auto")
     return choice
