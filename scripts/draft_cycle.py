@@ -35,6 +35,7 @@ PATHS = {
     "packed": ("on", "float32"),
     "packed int8": ("on", "int8"),
     "packed bf16-dot": ("on", "bfloat16-dot"),
+    "packed int8-dot": ("on", "int8-dot"),
 }
 PARTS = ("context", "backbone", "base logits", "rollout", "confidence", "cycle")
 

@@ -212,6 +212,50 @@ def test_greedy_speculative_output_with_the_packed_drafter_is_plain_greedy(targe
     assert accepted > 0  # drafts were accepted: the check has teeth
 
 
+def _python_domino_slot(steps, drafter, k, prev, base_k, w1z, xs):
+    """One slot of the Domino head as the packed path ran it in Python before the kernel took the loop."""
+    H, g = steps.hidden, steps.g
+    xs[:, :H] = drafter.embed(prev)
+    pre = steps.gates(xs)
+    ru = torch.sigmoid(pre[:, : 2 * g])
+    n = torch.addcmul(pre[:, 2 * g : 3 * g], ru[:, :g], pre[:, 3 * g :]).tanh_()
+    s = torch.lerp(n, xs[:, H:], ru[:, g:])
+    xs[:, H:] = s
+    if k == 0:
+        return base_k
+    return steps.w2(torch.nn.functional.silu(w1z[:, k] + steps.w1_s(s))).add_(base_k)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_the_kernels_domino_rollout_gives_the_bits_of_the_same_ops_in_python(target, weights, draft_vocab):
+    """Protects: the Domino head's slots moved into the kernel (cpu_kernels/drafter_rollout.cpp) run the same ops
+    in the same order, so greedy drafts, top probabilities and each slot's logits are bit for bit what the packed
+    path gave with a Python loop per slot (no new rounding: the drafts cannot change)."""
+    drafter = make_drafter(target, "domino", True, draft_vocab)
+    drafter.weight_format = weights
+    R, b = 3, 6
+    with torch.inference_mode():
+        fast = drafter.fast()
+        steps = fast.steps
+        z = torch.randn(R, b, drafter.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        anchors = torch.tensor([3, 17, 40])
+        base = fast.base_logits(z)
+        w1z, xs = steps.start(z)
+        drafts, tops = steps.greedy((w1z, xs), base, anchors, True)
+        ref_xs, kern_xs, prev = xs.clone(), xs.clone(), anchors
+        ref_drafts, ref_tops = [], []
+        for k in range(b):
+            logits = _python_domino_slot(steps, drafter, k, prev, base[:, k], w1z, ref_xs)
+            assert torch.equal(steps(k, None, prev, base[:, k], (w1z, kern_xs)), logits)  # one slot (sampled rows)
+            assert torch.equal(kern_xs, ref_xs)
+            ref_tops.append(torch.softmax(logits, -1).amax(-1))
+            prev = drafter.to_target_ids(logits.argmax(-1))
+            ref_drafts.append(prev)
+    assert torch.equal(drafts, torch.stack(ref_drafts, 1)) and torch.equal(tops, torch.stack(ref_tops, 1))
+    assert len({tuple(r) for r in drafts.tolist()}) == R  # rows differ: the check has teeth
+
+
 # ----- the shipped drafter on the bundled target -----
 
 CHAT = ["Write a Python function that reverses a string.", "What is 17 times 23?", "Name three colours."]
@@ -249,16 +293,20 @@ def test_shipped_drafter_packed_output_is_plain_greedy(monkeypatch, smollm, ship
 
 
 @pytest.mark.parametrize("fmt", [None, "int8"])
-def test_drafter_weights_follow_the_target_or_the_switch(monkeypatch, fmt):
-    """Protects: the packed drafter streams the target's weight format unless DOMINOSPEC_DRAFTER_WEIGHTS says
-    otherwise (a bad value is refused by name); int8 and bf16 panels stream fewer bytes."""
+def test_drafter_weights_follow_the_target_on_its_dot_product_or_the_switch(monkeypatch, fmt):
+    """Protects: the packed drafter streams the target's weight format, int8 on the kernel's int8 dot product
+    where it has one, unless DOMINOSPEC_DRAFTER_WEIGHTS says otherwise (a bad value is refused by name); int8 and
+    bf16 panels stream fewer bytes."""
     from dominospec.drafter.fast import WEIGHTS_SWITCH
 
-    if load_kernels() is None:
+    module = load_kernels()
+    if module is None:
         pytest.skip("the small-M kernel does not build here")
     target = tiny_target("qwen3", dtype=torch.float32, backend="native", weights=fmt)
     drafter = make_drafter(target, "domino", confidence=True, draft_vocab=40)
-    assert drafter.weight_format == (fmt or "float32")
+    assert drafter.weight_format == ("int8-dot" if fmt == "int8" and module.int8_dot_paths() else fmt or "float32")
+    monkeypatch.setattr(module, "int8_dot_paths", lambda: [])  # a CPU without one
+    assert drafter.attach(target).weight_format == (fmt or "float32")
     sizes = {}
     for weights in ("float32", "bfloat16-dot", "int8"):
         monkeypatch.setenv(WEIGHTS_SWITCH, weights)

@@ -345,7 +345,8 @@ def add_parser(sub) -> None:
         metavar="FORMATS",
         help="comma list of weight formats the drafters stream on the packed path (float32, bfloat16, "
         "bfloat16-dot, int8, int8-dot): each drafter runs once per format, side by side, its methods named "
-        "...@FORMAT; default: the target's own format (or DOMINOSPEC_DRAFTER_WEIGHTS)",
+        "...@FORMAT; default: the target's own format, int8 as int8-dot where the CPU has an int8 dot product (or "
+        "DOMINOSPEC_DRAFTER_WEIGHTS)",
     )
     p.add_argument(
         "--methods",

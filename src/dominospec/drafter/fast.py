@@ -7,7 +7,8 @@ LM-head rows of the draft vocabulary) is packed once into the kernel's panels (t
 which stream each weight once for all rows; a row's result does not depend on how many rows share
 the call. The rollout precomputes what does not depend on the drafts (w1_z(z) for every slot, the
 confidence after the last slot) and runs each slot as one packed GRU gate GEMM over [x ; s], a lerp,
-one low-rank GEMM pair and one pick.
+one low-rank GEMM pair and one pick; the Domino head's slots run in the kernel extension (a greedy block is one
+call, cpu_kernels/drafter_rollout.cpp), the same ops in the same order as in Python.
 
 When (`Drafter.fast()`): CPU, float32, the kernel built, autograd off (decoding; never a training
 step), and DOMINOSPEC_DRAFTER_FAST not "off" (today's library path, for A/B runs in one process).
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..sampling import pick_per_row
-from ..targets.kernels import PackedLinear
+from ..targets.kernels import PackedLinear, load_kernels
 from .layers import rope_tables
 
 ENV_SWITCH = "DOMINOSPEC_DRAFTER_FAST"  # "off": the drafter's library path (today's), for A/B runs
@@ -78,14 +79,21 @@ DRAFTER_FORMATS = ("float32", "bfloat16", "bfloat16-dot", "int8", "int8-dot")
 
 def drafter_weight_format(target) -> str:
     """The format the packed drafter streams its weights in: DOMINOSPEC_DRAFTER_WEIGHTS, else ("auto") the
-    target's own weight format (int8 for the bundled SmolLM2 under --dtype auto), else float32. bfloat16-dot:
-    bf16 weights on the CPU's bf16 dot product (AVX512-BF16; activations rounded to bf16 too), twice the
-    multiply-adds per instruction; int8-dot: int8 weights x activations quantised per row to int8 (AVX512-VNNI
-    or AVX2). Only the drafts' speed and acceptance depend on it: verification keeps the
-    output the target's."""
+    target's own weight format (int8 for the bundled SmolLM2 under --dtype auto), else float32, with int8 on the
+    int8 dot product where the kernel has one (AVX512-VNNI or AVX2): a draft cycle's 8 rows then stream at memory
+    speed, where int8 panels with fp32 activations pay one FMA per weight and row. bfloat16-dot: bf16 weights on
+    the CPU's bf16 dot product (AVX512-BF16; activations rounded to bf16 too), twice the multiply-adds per
+    instruction; int8-dot: int8 weights x activations quantised per row to int8. Only the drafts' speed and
+    acceptance depend on it: verification keeps the output the target's (the shipped drafter's acceptance in
+    int8-dot equals int8's: docs/speed.md)."""
     choice = os.environ.get(WEIGHTS_SWITCH, "auto").strip().lower()
     if choice == "auto":
-        return getattr(target, "weight_only", None) or "float32"
+        own = getattr(target, "weight_only", None) or "float32"
+        if own == "int8" and torch.device(getattr(target, "device", "cpu")).type == "cpu":
+            module = load_kernels()
+            if module is not None and module.int8_dot_paths():
+                return "int8-dot"
+        return own
     if choice not in DRAFTER_FORMATS:
         raise ValueError(f"{WEIGHTS_SWITCH}={choice!r}: expected one of {', '.join(DRAFTER_FORMATS)} or auto")
     return choice
@@ -185,11 +193,14 @@ class Rope:
 
 
 class DominoSteps:
-    """The Domino head's slots: GRU over realised tokens (one packed gate GEMM), then the low-rank correction."""
+    """The Domino head's slots in the kernel extension (cpu_kernels/drafter_rollout.cpp): the embedding of the
+    realised token, the GRU over it (one packed gate GEMM), the low-rank correction and, for a greedy block, the
+    pick, with no Python per slot. The same ops as the library head, on the packed linears."""
 
-    needs_embedding = True
+    needs_embedding = False  # the kernel gathers the embedding itself
 
-    def __init__(self, pack: Packer, head, hidden: int):
+    def __init__(self, pack: Packer, drafter):
+        head, hidden = drafter.head, drafter.config.hidden_size
         g = self.g = head.g
         wi, wh = head.gru_ih.weight.detach(), head.gru_hh.weight.detach()  # [3g, H], [3g, g], gates r, z, n
         zeros_ih, zeros_hh = wi.new_zeros(g, hidden), wh.new_zeros(g, g)
@@ -208,6 +219,13 @@ class DominoSteps:
             pack(head.w2.weight),
         )
         self.hidden = hidden
+        none = torch.empty(0)
+        vocab = drafter.draft_vocab if drafter.config.draft_vocab_size else torch.empty(0, dtype=torch.long)
+        tensors, ints = [drafter._tables()[0].weight.detach(), vocab], []
+        for lin in (self.gates, self.w1_s, self.w2):
+            tensors += [lin.panels, none if lin.bias is None else lin.bias, none if lin.scale is None else lin.scale]
+            ints += [lin.group, lin.out_features]
+        self.kernel = pack.module.DominoRollout(tensors, ints, hidden, g)
 
     def start(self, z):
         """One rollout's state (kept by the caller: a drafter may roll out in several threads) for z [R, b, H]:
@@ -215,16 +233,13 @@ class DominoSteps:
         return self.w1_z(z), z.new_zeros(z.shape[0], self.hidden + self.g)  # [R, b, rank], [R, H+g]
 
     def __call__(self, k, prev_emb, prev_id, base_k, state):
-        (w1z, xs), H, g = state, self.hidden, self.g
-        xs[:, :H] = prev_emb
-        pre = self.gates(xs)  # [R, 4g]
-        ru = torch.sigmoid(pre[:, : 2 * g])
-        n = torch.addcmul(pre[:, 2 * g : 3 * g], ru[:, :g], pre[:, 3 * g :]).tanh_()
-        s = torch.lerp(n, xs[:, H:], ru[:, g:])  # (1 - u) n + u s
-        xs[:, H:] = s
-        if k == 0:  # slot 0 stays pure: the backbone already sees the anchor
-            return base_k
-        return self.w2(F.silu(w1z[:, k] + self.w1_s(s))).add_(base_k)
+        w1z, xs = state
+        return self.kernel.step(k, prev_id, base_k, w1z, xs)  # [R, V']; s updated in xs
+
+    def greedy(self, state, base, anchors, top: bool):
+        """Every slot of a greedy block in one call: (drafts [R, b] target ids, top probabilities [R, b] or None)."""
+        drafts, tops = self.kernel.greedy(base, state[0], anchors, top)
+        return drafts, tops if top else None
 
 
 class MarkovSteps:
@@ -232,7 +247,8 @@ class MarkovSteps:
 
     needs_embedding = False
 
-    def __init__(self, pack: Packer, head, hidden: int):
+    def __init__(self, pack: Packer, drafter):
+        head = drafter.head
         self.w1, self.w2 = head.w1.weight.detach(), pack(head.w2.weight)
 
     def start(self, z):
@@ -247,7 +263,8 @@ class RNNSteps:
 
     needs_embedding = False
 
-    def __init__(self, pack: Packer, head, hidden: int):
+    def __init__(self, pack: Packer, drafter):
+        head = drafter.head
         self.r = head.r
         self.w1 = head.w1.weight.detach()
         self.cell, self.w2 = pack(head.cell.weight, bias=head.cell.bias), pack(head.w2.weight)
@@ -269,7 +286,8 @@ class PathSteps:
 
     needs_embedding = False
 
-    def __init__(self, pack: Packer, head, hidden: int):
+    def __init__(self, pack: Packer, drafter):
+        head = drafter.head
         self.m = head.m
         self.w1, self.w2 = head.w1.weight.detach(), head.w2.weight.detach()  # code tables: gathered, not streamed
         self.gate = pack(head.gate.weight)
@@ -301,8 +319,7 @@ class PackedDrafter:
         self.layers = [PackedLayer(pack, layer) for layer in drafter.layers]
         self.rope = Rope(c.head_dim, c.rope_theta)
         self.lm_head = self._lm_head(drafter, pack)
-        head = drafter.head
-        self.steps = STEPS[c.head](pack, head, c.hidden_size) if head.corrects else None
+        self.steps = STEPS[c.head](pack, drafter) if drafter.head.corrects else None
         self.conf = None
         if drafter.confidence is not None:
             self.conf = pack(drafter.confidence.proj.weight, bias=drafter.confidence.proj.bias)
@@ -347,6 +364,9 @@ class PackedDrafter:
             picks, dists = pick_per_row(base, samplings, gens)  # [R, b]
             drafts = d.to_target_ids(picks)
             tops = torch.softmax(base, -1).amax(-1) if top else None
+        elif all(s.greedy for s in samplings) and hasattr(self.steps, "greedy"):  # the whole block in one call
+            drafts, tops = self.steps.greedy(self.steps.start(z), base, anchors, top)
+            dists = [None] * R
         else:
             steps = self.steps
             state = steps.start(z)

@@ -16,6 +16,8 @@
 //     [B, S, Hq, D], query j of row b reading keys 0..starts[b] + j, each query alone in a fixed order.
 //   DecoderLayers(tensors, ints, hq, hkv, d, eps, scale).run(x, k_cache, v_cache, cos, sin, starts, keep):
 //     every layer of a decode- or verify-sized forward in one call (decoder_layers.h says the layout).
+//   DominoRollout(tensors, ints, hidden, g).step(k, prev, base_k, w1z, xs) / .greedy(base, w1z, anchors, top):
+//     the drafter's Domino head, one slot or a whole greedy block (drafter_rollout.h says the layout).
 //     "int8_quads" (int8-dot) -> [P, ceil(K / 4), NR, 4] uint8 holding q + 128; linear() then quantises each row of
 //     x in blocks of `group` k and sums int8 x int8 products in int32 (format_int8_dot.h), scale as for int8.
 //   q4-dot: panels [P, K / 32, 4, NR, 4] uint8 (two 4-bit weights a byte, packed in Python: kernels.pack_q4) with
@@ -28,6 +30,7 @@
 #include <pybind11/stl.h>
 
 #include "decoder_layers.h"
+#include "drafter_rollout.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -45,4 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderLayers>(m, "DecoderLayers", py::module_local())  // builds of other sources may share a process
       .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, int64_t, double, double>())
       .def("run", &DecoderLayers::run, py::call_guard<py::gil_scoped_release>());  // a server's threads run meanwhile
+  py::class_<DominoRollout>(m, "DominoRollout", py::module_local())
+      .def(py::init<const std::vector<torch::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t>())
+      .def("step", &DominoRollout::step, py::call_guard<py::gil_scoped_release>())
+      .def("greedy", &DominoRollout::greedy, py::call_guard<py::gil_scoped_release>());
 }
