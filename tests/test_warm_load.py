@@ -138,6 +138,7 @@ def test_a_warm_load_builds_no_transformers_model_and_gives_the_same_tokens(tmp_
     first = Target.load(str(path), device="cpu", dtype=dtype)  # packs, and saves the panels and tokenizer state
     assert isinstance(first.module, Checkpoint) and not first.packed_from_cache
     assert tokens(first, prompt) == want
+    assert first.fingerprint == reference.fingerprint  # computed from the file, then saved for the warm load
     forbid_transformers_loads(monkeypatch)
     warm = Target.load(str(path), device="cpu", dtype=dtype)
     assert isinstance(warm.module, Checkpoint) and isinstance(warm.tokenizer, SavedTokenizer)

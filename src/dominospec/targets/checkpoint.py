@@ -14,12 +14,16 @@ fp32 on the CPU. Anything else loads through transformers, as before.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import nn
+
+from ..io import cache_dir, directory_files, write_json_atomic
 
 WEIGHTS_FILE = "model.safetensors"
 FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}  # native.NATIVE_ARCHITECTURES
@@ -127,6 +131,24 @@ class Checkpoint(nn.Module):
                 key = name if name in stored else "model.embed_tokens.weight"  # a tied head is stored once
                 out[name] = _float32(f.get_tensor(key))
         return out
+
+    def saved_fingerprint(self, version: int, tokenizer: str | None, compute) -> str:
+        """compute() (Target.fingerprint: ~50 ms of sampling every tensor of the file), saved once per directory:
+        a later load reads it while the directory's files, the tokenizer's vocabulary and `version` (of the
+        fingerprint's definition) are the ones it was computed with."""
+        directory = self.directory.resolve()
+        key = {"version": version, "files": directory_files(directory), "tokenizer": tokenizer}
+        name = hashlib.sha256(str(directory).encode()).hexdigest()[:12]
+        path = cache_dir() / "fingerprints" / f"{directory.name}-{name}.json"
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                return saved["fingerprint"]
+        fingerprint = compute()
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, {"key": key, "fingerprint": fingerprint}, indent=None)
+        return fingerprint
 
     def use_weights(self, linears: list[nn.Linear], values: list[torch.Tensor]) -> None:
         """Point each linear at new values (the panel cache's mapped ones) instead of copying them in; a tied

@@ -44,9 +44,10 @@ from .quant import (
     precision_label,
     weight_only_format,
 )
-from .tokenizer import vocab_fingerprint
+from .tokenizer import longest_token, vocab_fingerprint
 
 BACKENDS = ("auto", "native", "hf")
+FINGERPRINT_VERSION = 1  # bump when Target.fingerprint's definition changes (saved fingerprints are then stale)
 
 
 def _kernel_build() -> str | None:
@@ -283,9 +284,7 @@ class Target:
         """The most characters one token stands for (its longest vocabulary entry; byte-level and
         SentencePiece entries are never shorter than their text), so text of n characters has at
         least n / max_token_chars tokens. None without a tokenizer."""
-        if self.tokenizer is None:
-            return None
-        return max((len(t) for t in self.tokenizer.get_vocab()), default=None)
+        return None if self.tokenizer is None else longest_token(self.tokenizer)
 
     @property
     def arch(self) -> dict:
@@ -601,8 +600,14 @@ class Target:
         covers the architecture numbers of the config, the tokenizer, and the sign bits of a strided
         sample of every weight tensor: signs survive casting to bf16/fp16 exactly, so the same
         weights loaded in another dtype keep their fingerprint. A weight format (--dtype int8) is
-        applied after it is taken: identities record the format beside it (`precision`).
+        applied after it is taken: identities record the format beside it (`precision`). A Checkpoint's is
+        computed once per directory and saved (Checkpoint.saved_fingerprint).
         """
+        if isinstance(self.module, Checkpoint):
+            return self.module.saved_fingerprint(FINGERPRINT_VERSION, self.tokenizer_fingerprint, self._fingerprint)
+        return self._fingerprint()
+
+    def _fingerprint(self) -> str:
         cfg = self.module.config
         keys = (
             "model_type",

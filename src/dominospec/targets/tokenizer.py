@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..io import cache_dir, directory_files, write_atomic, write_json_atomic
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json used as it is
 PLAIN_VALUES = (str, int, float, bool, type(None))
 
@@ -59,6 +59,13 @@ def vocab_fingerprint(tok) -> str:
         return tok.vocab_sha256
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def longest_token(tok) -> int | None:
+    """The most characters one vocabulary entry has (targets/context.py; a SavedTokenizer has it saved)."""
+    if isinstance(tok, SavedTokenizer):
+        return tok.longest_token
+    return max((len(t) for t in tok.get_vocab()), default=None)
 
 
 def _version(package: str) -> str | None:
@@ -104,6 +111,7 @@ def _save_state(path: Path, key: dict, tok) -> None:
     if supported:
         state |= {
             "vocab_sha256": vocab_fingerprint(tok),
+            "longest_token": longest_token(tok),
             "split_special_tokens": bool(getattr(tok, "split_special_tokens", False)),
             "chat_template": template,
             "special_tokens_map": tok.special_tokens_map,
@@ -127,7 +135,7 @@ class SavedTokenizer:
         self.directory = directory
         self.name_or_path = str(directory)
         self.backend = Tokenizer.from_file(str(backend_file))
-        self.vocab_sha256 = state["vocab_sha256"]
+        self.vocab_sha256, self.longest_token = state["vocab_sha256"], state["longest_token"]
         self.backend.no_truncation()  # transformers' call without truncation or padding does the same
         self.backend.no_padding()
         self.backend.encode_special_tokens = state["split_special_tokens"]
@@ -144,7 +152,7 @@ class SavedTokenizer:
         return AutoTokenizer.from_pretrained(str(self.directory))
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("full", "backend", "vocab_sha256"):
+        if name.startswith("__") or name in ("full", "backend", "vocab_sha256", "longest_token"):
             raise AttributeError(name)
         return getattr(self.full, name)
 
