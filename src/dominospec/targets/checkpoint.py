@@ -160,19 +160,16 @@ class Checkpoint(nn.Module):
                 self.model.embed_tokens.weight = linear.weight
 
     def to_transformers(self) -> nn.Module:
-        """transformers' model of this config on the same tensors (what its forward and generate need)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        """transformers' model of this directory (its config, generation config, RoPE buffers), its parameters
+        then pointed at this checkpoint's tensors: whatever a format wrote into them, both see."""
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
-        config = AutoConfig.from_pretrained(str(self.directory))
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(self.state_dict(), assign=True, strict=False)
-        if self.config.tie_word_embeddings:
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(str(self.directory), dtype=torch.float32)
+        model.load_state_dict(self.state_dict(), assign=True)
+        if self.config.tie_word_embeddings:  # assign made two Parameters of the one tensor: one again
             model.lm_head.weight = model.model.embed_tokens.weight
-        rotary = model.model.rotary_emb  # buffers, not in the state dict: this module's own values
-        rotary.inv_freq = self.model.rotary_emb.inv_freq.clone()
-        rotary.original_inv_freq = self.model.rotary_emb.inv_freq.clone()
-        model.generation_config.eos_token_id = self.generation_config.eos_token_id
         return model.eval().requires_grad_(False)
 
 

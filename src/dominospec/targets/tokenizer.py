@@ -152,7 +152,7 @@ class SavedTokenizer:
         return AutoTokenizer.from_pretrained(str(self.directory))
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("full", "backend", "vocab_sha256", "longest_token"):
+        if name.startswith("__") or "directory" not in self.__dict__:  # (not yet built: nothing to ask)
             raise AttributeError(name)
         return getattr(self.full, name)
 
