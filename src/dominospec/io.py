@@ -81,6 +81,13 @@ def write_lines_atomic(path: str | os.PathLike, lines: list[str]) -> None:
     write_atomic(path, "".join(line + "\n" for line in lines))
 
 
+def directory_files(directory: Path) -> list[list]:
+    """[name, size, mtime_ns] of each file in a directory (hidden ones aside): what a cache of something read from
+    a model directory is keyed by."""
+    files = sorted(f for f in Path(directory).iterdir() if f.is_file() and not f.name.startswith("."))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
 def is_temporary(path: Path) -> bool:
     """True for the leftovers of a write that was killed before its rename."""
     return path.name.startswith(".") and (".tmp" in path.name or ".old" in path.name)

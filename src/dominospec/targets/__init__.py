@@ -10,6 +10,8 @@ panel_cache.py  the packed weights of each format, saved once in the cache and m
 generate.py  transformers' own generate (benchmark baselines, batched sampling for data)
 gguf.py      GGUF files as targets: checks, conversion (model, tokenizer, chat template), the raw 4/8-bit blocks
 load.py      aliases, local directories, hub ids, .gguf files
+checkpoint.py  a Llama-family directory read without transformers (config.json, mapped safetensors): native starts
+tokenizer.py the directory's tokenizer from its saved state (tokenizers + jinja2), transformers' where needed
 """
 
 from .context import MIN_ANSWER_TOKENS, cap_new_tokens, encode_if_fits, prompt_too_long

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..errors import DominoError
+from .checkpoint import Checkpoint
 from .features import check_layer_ids, default_layer_ids
 from .generate import hf_generate, sample_batch
 from .gguf import read_blocks
@@ -43,8 +44,10 @@ from .quant import (
     precision_label,
     weight_only_format,
 )
+from .tokenizer import longest_token, vocab_fingerprint
 
 BACKENDS = ("auto", "native", "hf")
+FINGERPRINT_VERSION = 1  # bump when Target.fingerprint's definition changes (saved fingerprints are then stale)
 
 
 def _kernel_build() -> str | None:
@@ -74,9 +77,12 @@ class Target:
         """weights: None (the model as it is), or a weight-only format, bfloat16 or int8 (quant.py): its
         linear weights are rounded to that format in place and the native kernel streams them so; "auto":
         the fewest-bytes format that holds them to fp32 rounding (quant.adopt_exact_format_), else none.
-        blocks: the GGUF file's own blocks by parameter name (gguf.read_blocks), which q4-dot packs."""
-        self.model = model.eval()
-        for p in self.model.parameters():
+        blocks: the GGUF file's own blocks by parameter name (gguf.read_blocks), which q4-dot packs.
+        model: a transformers model, or a Checkpoint (checkpoint.py: the same weights read without transformers,
+        for the native backend; `model` builds the transformers model on its tensors where one is needed)."""
+        self.module = model.eval()  # what the weights are read from: `model`, or a Checkpoint
+        self._transformers: nn.Module | None = None  # the transformers model built on a Checkpoint's tensors
+        for p in self.module.parameters():
             p.requires_grad_(False)
         self.tokenizer = tokenizer
         self.name = name
@@ -87,15 +93,14 @@ class Target:
         self.layer_ids = check_layer_ids(
             layer_ids if layer_ids is not None else default_layer_ids(self.num_layers), self.num_layers
         )
-        # transformers 5.24 renamed past_key_values to cache (old name warns, removed in 5.40)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if backend not in BACKENDS:
             raise DominoError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.native: NativeModel | None = None
         self.backend_note: str | None = None  # why a requested native backend is not used
         self.exact_weights = False  # the weight format held the loaded weights (quant.holds): the same model
         why = native_support(model) if backend in ("auto", "native") else "--backend hf"
+        if why is not None and isinstance(model, Checkpoint):  # transformers runs it: its model from here on
+            self.module = model = self.model
         # the weights' format and packed panels, from the cache where an earlier process saved them (panel_cache.py)
         with saved_packing(model, weights, _kernel_build) if why is None else nullcontext() as saved:
             self.weight_only = self._apply_weights(weights, why, blocks)  # a CPU format (quant.CPU_FORMATS), or None
@@ -105,6 +110,21 @@ class Target:
         if why is not None and backend == "native":
             self.backend_note = f"target {name!r} runs on the transformers path: {why}"
 
+    @property
+    def model(self) -> nn.Module:
+        """The transformers model: the one given, or, for a Checkpoint, one built on its tensors at the first call
+        that needs transformers' own forward or generate (the --backend hf path, baselines, batched sampling)."""
+        if not isinstance(self.module, Checkpoint):
+            return self.module
+        if self._transformers is None:
+            self._transformers = self.module.to_transformers()
+        return self._transformers
+
+    @cached_property
+    def _cache_kw(self) -> str:
+        """transformers 5.24 renamed past_key_values to cache (old name warns, removed in 5.40)."""
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
     def _apply_weights(self, weights: str | None, why_not_native: str | None, blocks: dict | None) -> str | None:
         """Round the weights to a weight-only format in place and return it; None: the model computes in its dtype.
 
@@ -112,8 +132,8 @@ class Target:
         if weights == AUTO:
             if why_not_native is not None or self.dtype != torch.float32 or self.device.type != "cpu":
                 return None
-            _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rewritten
-            weights = formatted_weights(self.model, adopt_exact_format_)
+            self._keep_identity()
+            weights = formatted_weights(self.module, adopt_exact_format_)
             self.exact_weights = weights is not None
             return weights
         if weights in (None, str(self.dtype).replace("torch.", "")):
@@ -135,9 +155,15 @@ class Target:
             return None
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise DominoError(f"{weights} weights need an fp32 model on the CPU, got {self.dtype} on {self.device}")
-        _ = self.fingerprint  # the identity of the weights as loaded, taken before they are rounded
-        self.exact_weights = formatted_weights(self.model, lambda m: apply_weight_format_(m, weights, blocks))
+        self._keep_identity()
+        self.exact_weights = formatted_weights(self.module, lambda m: apply_weight_format_(m, weights, blocks))
         return weights
+
+    def _keep_identity(self) -> None:
+        """Take the identity of the weights as loaded (fingerprint) before a format rewrites them; a Checkpoint's
+        file still holds them, so its fingerprint waits until something asks for it."""
+        if not isinstance(self.module, Checkpoint):
+            _ = self.fingerprint
 
     @property
     def weight_format(self) -> str:
@@ -221,7 +247,11 @@ class Target:
         """
         weights = weight_only_format(dtype, device, backend)
         model, tokenizer, name = load_model(
-            name_or_path, device=device, dtype=torch.float32 if weights else dtype, progress=progress
+            name_or_path,
+            device=device,
+            dtype=torch.float32 if weights else dtype,
+            progress=progress,
+            native=backend in ("auto", "native"),
         )
         blocks = read_blocks(target_dir(name)) if weights == Q4_DOT else None  # the file's own 4-bit blocks
         target = cls(model, tokenizer, layer_ids=layer_ids, name=name, backend=backend, weights=weights, blocks=blocks)
@@ -237,16 +267,16 @@ class Target:
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_output_embeddings().weight.device
+        return self.module.get_output_embeddings().weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.get_output_embeddings().weight.dtype
+        return self.module.get_output_embeddings().weight.dtype
 
     @property
     def max_positions(self) -> int | None:
         """The longest sequence the target was built for (None when its config does not say)."""
-        n = getattr(self.model.config, "max_position_embeddings", None)
+        n = getattr(self.module.config, "max_position_embeddings", None)
         return int(n) if n else None
 
     @cached_property
@@ -254,14 +284,12 @@ class Target:
         """The most characters one token stands for (its longest vocabulary entry; byte-level and
         SentencePiece entries are never shorter than their text), so text of n characters has at
         least n / max_token_chars tokens. None without a tokenizer."""
-        if self.tokenizer is None:
-            return None
-        return max((len(t) for t in self.tokenizer.get_vocab()), default=None)
+        return None if self.tokenizer is None else longest_token(self.tokenizer)
 
     @property
     def arch(self) -> dict:
         """Attention and MLP shape numbers a drafter copies from its target."""
-        cfg = self.model.config
+        cfg = self.module.config
         heads = int(getattr(cfg, "num_attention_heads", 8))
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
@@ -277,16 +305,16 @@ class Target:
     # ----- frozen tables -----
     @property
     def embed_weight(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight  # [V, H]
+        return self.module.get_input_embeddings().weight  # [V, H]
 
     def input_embeddings(self) -> nn.Module:
-        return self.model.get_input_embeddings()
+        return self.module.get_input_embeddings()
 
     def output_embeddings(self) -> nn.Module:
-        return self.model.get_output_embeddings()
+        return self.module.get_output_embeddings()
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.get_output_embeddings()(hidden)
+        return self.module.get_output_embeddings()(hidden)
 
     # the weights of decoder layer j under family-neutral names (for initialising a draft layer)
     LAYER_WEIGHTS = {
@@ -305,7 +333,7 @@ class Target:
 
     def decoder_layer_weights(self, j: int) -> dict[str, torch.Tensor]:
         """Decoder layer j's weights, {neutral name: tensor}; modules the family lacks (q/k norm) are absent."""
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        layers = getattr(getattr(self.module, "model", None), "layers", None)
         if layers is None:
             raise DominoError(f"target {self.name!r} ({self.arch}) has no Llama-style decoder layers to copy")
         if not 0 <= j < len(layers):
@@ -504,10 +532,10 @@ class Target:
     @property
     def eos_ids(self) -> list[int]:
         ids: set[int] = set()
-        gen = getattr(self.model, "generation_config", None)
+        gen = getattr(self.module, "generation_config", None)
         for src in (
             getattr(gen, "eos_token_id", None),
-            getattr(self.model.config, "eos_token_id", None),
+            getattr(self.module.config, "eos_token_id", None),
             getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None,
         ):
             if src is None:
@@ -562,10 +590,7 @@ class Target:
     @property
     def tokenizer_fingerprint(self) -> str | None:
         """sha256 of the sorted (token, id) vocabulary, added tokens included; None without a tokenizer."""
-        if self.tokenizer is None:
-            return None
-        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
-        return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+        return None if self.tokenizer is None else vocab_fingerprint(self.tokenizer)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -575,9 +600,15 @@ class Target:
         covers the architecture numbers of the config, the tokenizer, and the sign bits of a strided
         sample of every weight tensor: signs survive casting to bf16/fp16 exactly, so the same
         weights loaded in another dtype keep their fingerprint. A weight format (--dtype int8) is
-        applied after it is taken: identities record the format beside it (`precision`).
+        applied after it is taken: identities record the format beside it (`precision`). A Checkpoint's is
+        computed once per directory and saved (Checkpoint.saved_fingerprint).
         """
-        cfg = self.model.config
+        if isinstance(self.module, Checkpoint):
+            return self.module.saved_fingerprint(FINGERPRINT_VERSION, self.tokenizer_fingerprint, self._fingerprint)
+        return self._fingerprint()
+
+    def _fingerprint(self) -> str:
+        cfg = self.module.config
         keys = (
             "model_type",
             "vocab_size",
@@ -594,7 +625,9 @@ class Target:
         h.update(json.dumps({k: getattr(cfg, k, None) for k in keys}, sort_keys=True, default=str).encode())
         h.update(str(self.tokenizer_fingerprint).encode())
         seen = set()
-        for name, w in sorted(self.model.named_parameters(), key=lambda kv: kv[0]):
+        loaded = self.module.pristine_parameters() if isinstance(self.module, Checkpoint) else None
+        params = loaded.items() if loaded is not None else self.module.named_parameters()
+        for name, w in sorted(params, key=lambda kv: kv[0]):
             if w.data_ptr() in seen:  # tied weights count once
                 continue
             seen.add(w.data_ptr())

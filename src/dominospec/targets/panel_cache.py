@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import atomic_path, cache_dir
+from ..io import atomic_path, cache_dir, directory_files
 from ..log import log
 
 FILE_VERSION = 1  # bump when the saved layout changes
@@ -57,9 +57,12 @@ class Session:
         linears = linear_layers(model)
         saved = self.saved
         if saved is not None and [list(v.shape) for v in saved["values"]] == [list(w.weight.shape) for w in linears]:
-            with torch.no_grad():
-                for linear, values in zip(linears, saved["values"]):
-                    linear.weight.copy_(values)
+            if hasattr(model, "use_weights"):  # a Checkpoint (checkpoint.py): the mapped values, not a copy
+                model.use_weights(linears, saved["values"])
+            else:
+                with torch.no_grad():
+                    for linear, values in zip(linears, saved["values"]):
+                        linear.weight.copy_(values)
             self.fresh["values"], self.fresh["format_result"] = saved["values"], saved["format_result"]
             return saved["format_result"]
         self.hit = False
@@ -142,8 +145,7 @@ def model_files(model) -> tuple[Path, list] | None:
     directory = Path(where)
     if not where or not directory.is_dir():
         return None
-    files = sorted(f for f in directory.iterdir() if f.is_file() and not f.name.startswith("."))
-    return directory.resolve(), [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return directory.resolve(), directory_files(directory)
 
 
 @contextlib.contextmanager
