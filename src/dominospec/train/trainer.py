@@ -239,6 +239,14 @@ def read_train_state(out: Path, device="cpu") -> tuple[Path, dict, tuple] | None
         d = out / "train_state.old"  # killed between the two renames
     if not (d / "trainer.pt").exists():
         return None
+    return read_state_dir(d, device)
+
+
+def read_state_dir(d: Path, device="cpu") -> tuple[Path, dict, tuple]:
+    """A checkpoint directory (trainer.pt and drafter/, as OUT/train_state holds them; or a copy of one kept
+    elsewhere, such as in a repository, that `--resume-from` continues): (d, trainer.pt's dict, its drafter)."""
+    if not (d / "trainer.pt").exists():
+        raise DominoError(f"cannot resume: {d} holds no trainer.pt (a copy of a run's OUT/train_state is expected)")
     st = read_trainer_pt(d / "trainer.pt", device)
     try:
         drafter = read_checkpoint(d / "drafter")
@@ -782,11 +790,12 @@ class Trainer:
         if old.exists():
             shutil.rmtree(old)
 
-    def load_checkpoint(self) -> bool:
-        """Continue from OUT/train_state; False when there is none. Refuses a checkpoint made with
-        other settings (every TrainConfig field that changes the result, the drafter's config, the
-        data size), naming each setting with its stored and its new value."""
-        found = read_train_state(self.out, self.device)
+    def load_checkpoint(self, source: Path | None = None) -> bool:
+        """Continue from OUT/train_state, or from `source`, a copy of one kept elsewhere (a repository: a run
+        that outlives its machine; the feature cache is not part of it and is recomputed); False when OUT has
+        none. Refuses a checkpoint made with other settings (every TrainConfig field that changes the result,
+        the drafter's config, the data size), naming each setting with its stored and its new value."""
+        found = read_train_state(self.out, self.device) if source is None else read_state_dir(Path(source), self.device)
         if found is None:
             return False
         d, st, (config, state, w_path) = found
