@@ -474,6 +474,9 @@ class Trainer:
                 self._lse[i] = stored.to(fin.device) if stored is not None else self._log_normaliser(fin)
             pos = (a.unsqueeze(1) + torch.arange(self.block, device=a.device)).clamp(max=fin.shape[0] - 1)
             distinct, inverse = torch.unique(pos, return_inverse=True)
+            gaps = distinct[torch.isnan(self._lse[i][distinct])]  # captured at generation: no logits at a prompt's
+            if gaps.numel():  # positions (an earlier turn's answer), computed here once, where a block reads them
+                self._lse[i][gaps] = self._log_normaliser(fin[gaps]).to(self._lse[i].dtype)
             rows.append(fin[distinct])  # [U_r, H]
             lse.append(self._lse[i][distinct])
             where.append(inverse + offset)  # [N_r, B] -> row of the distinct positions
