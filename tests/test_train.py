@@ -292,6 +292,19 @@ def test_resume_from_a_kept_checkpoint_takes_the_uninterrupted_step(tmp_path, qw
     assert fresh.train_step()["kl"] != want["kl"]
 
 
+def test_resume_from_a_finished_run_exports_it_in_the_new_out(tmp_path, qwen3_target):
+    """A kept checkpoint of a run's last step, continued in a new --out: nothing left to train, the drafter is
+    exported there (the new OUT has no metrics to plot; that once raised FileNotFoundError)."""
+    samples = synthetic_samples(qwen3_target, n=4)
+    cfg = TrainConfig(max_steps=2, batch_size=4, anchors=4, lr=3e-3)
+    Trainer(qwen3_target, tiny_drafter(qwen3_target, block_size=4).float(), samples, tmp_path / "a", cfg).fit()
+    again = Trainer(qwen3_target, tiny_drafter(qwen3_target, block_size=4).float(), samples, tmp_path / "b", cfg)
+    again.load_checkpoint(tmp_path / "a" / "train_state")
+    again.fit()
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_from_refuses_an_out_that_has_its_own_checkpoint(tmp_path):
     (tmp_path / "out" / "train_state").mkdir(parents=True)
     job = TrainJob(data=tmp_path / "d", out=tmp_path / "out", resume_from=tmp_path / "kept")
