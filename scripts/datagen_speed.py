@@ -64,17 +64,21 @@ for rnd in range(args.rounds):
                 capture = FeatureCapture(FeatureCache(tmp, target), list(target.layer_ids)) if capturing else None
                 cpu0, wall0 = time.thread_time(), time.perf_counter()
                 samples, stats = _generate_shard(target, codec, convs, 0, n_prompts, cfg, lambda c: None, capture)
-                if args.features and not capturing:  # the pass train would run on these samples, 4 at a time
-                    for lo in range(0, len(samples), 4):
+                cpu_gen = time.thread_time() - cpu0
+                if args.features and not capturing:  # the pass `train --features-only` runs, 4 samples at a time:
+                    for lo in range(0, len(samples), 4):  # features, final state and its log-normaliser (distilling)
                         ids = [s["input_ids"] for s in samples[lo : lo + 4]]
                         feats, final = targets["native"].sequence_features(ids, target.layer_ids)
                         for f, g in zip(feats, final):
-                            f.to(torch.float16), g.to(torch.float16)
+                            f.to(torch.float16), torch.logsumexp(target.lm_head(g.to(torch.float16).float()), -1)
                 cpu, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
             n = stats["generated_tokens"]
-            rows.append(dict(round=rnd, method=method, batch=bs, tokens=n, cpu_s=cpu, wall_s=wall))
+            rows.append(
+                dict(round=rnd, method=method, batch=bs, tokens=n, samples=len(samples), cpu_s=cpu, gen_cpu_s=cpu_gen)
+            )
             rate = f"{n / cpu:6.1f} tok/CPU-s, {n / wall:6.1f} tok/s wall"
-            print(f"round {rnd} {method:13s} B={bs:3d}: {n} tokens, {rate}", flush=True)
+            per = f"{cpu_gen / len(samples):.3f} CPU-s a sample generating, {(cpu - cpu_gen) / len(samples):.3f} after"
+            print(f"round {rnd} {method:13s} B={bs:3d}: {n} tokens, {rate}; {per}", flush=True)
     if args.pydoc:
         texts = pydoc_texts(args.pydoc, seed=rnd)
         cpu0 = time.thread_time()

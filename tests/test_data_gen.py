@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -311,6 +312,13 @@ def test_features_captured_while_generating_equal_a_separate_pass(target, tmp_pa
         for got, want in zip(cached, (feats[0], final[0])):
             assert got.shape == want.shape
             torch.testing.assert_close(got, want.to(torch.float16).to(got.dtype), rtol=2e-3, atol=2e-3)
+        # the log-normaliser of the logits the generating passes computed: from the last prompt token on (the
+        # answer's predicting positions), equal to a separate pass's to fp32 rounding; NaN before it
+        lse = cache.read_lse(capture.layer_ids, s["input_ids"])
+        want_lse = torch.logsumexp(target.lm_head(final[0]).double(), -1)
+        answer_from = len(s["input_ids"]) - _last_answer_length(s["loss_mask"]) - 1
+        assert torch.isnan(lse[:answer_from]).all() and not torch.isnan(lse[answer_from:]).any(), s["id"]
+        torch.testing.assert_close(lse[answer_from:].double(), want_lse[answer_from:], rtol=1e-6, atol=1e-5)
     assert len(list((tmp_path / "cache").iterdir())) == len(samples)  # one file per sample, no stray turns
 
     def no_pass(*args, **kwargs):
@@ -323,8 +331,29 @@ def test_features_captured_while_generating_equal_a_separate_pass(target, tmp_pa
     target.sequence_features, kept = no_pass, target.sequence_features
     try:
         assert len(trainer.features(list(range(len(samples))))) == len(samples)
+        trainer.cfg.anchors = 0  # every supervised position: blocks read an earlier turn's answer too
+        assert math.isfinite(trainer.train_step()["kl"])
     finally:
         target.sequence_features = kept
+    filled = 0
+    for i, lse in trainer._lse.items():  # the gaps a block read were filled from the stored final state
+        filled += int((~torch.isnan(lse[: len(lse) - _last_answer_length(samples[i]["loss_mask"]) - 1])).sum())
+        final16 = cache.read(capture.layer_ids, samples[i]["input_ids"])[1]
+        full = torch.logsumexp(target.lm_head(final16).double(), -1)
+        read = ~torch.isnan(lse)
+        assert read[len(lse) - _last_answer_length(samples[i]["loss_mask"]) - 1 :].all()
+        torch.testing.assert_close(lse[read].double(), full[read], rtol=1e-3, atol=1e-3)
+    assert filled > 0  # control: the multi-turn sample's earlier answer was read and filled
+
+
+def _last_answer_length(mask: list[int]) -> int:
+    """How many supervised tokens end the sample (its last turn's answer)."""
+    n = 0
+    for m in reversed(mask):
+        if not m:
+            break
+        n += 1
+    return n
 
 
 def test_capture_needs_the_slots_sampler(target, tmp_path, capsys):

@@ -263,6 +263,58 @@ class Killed(Exception):
     pass
 
 
+def test_resume_from_a_kept_checkpoint_takes_the_uninterrupted_step(tmp_path, qwen3_target):
+    """A run's train_state copied away (as into a repository) and continued in a new --out on another
+    drafter object, with no feature cache and nothing else of the first run: the step after the resume
+    is the uninterrupted run's step, bit for bit (loss terms, learning rate, every weight)."""
+    target = qwen3_target
+    samples = synthetic_samples(target, n=6)
+    start = tiny_drafter(target, block_size=4, confidence=True, randomize_head=False).float()
+    cfg = TrainConfig(max_steps=6, batch_size=4, anchors=6, distill=0.5, lr=3e-3, save_every=1000)
+    run = Trainer(target, start, samples, tmp_path / "day1", cfg, feature_cache=tmp_path / "cache", progress=False)
+    run.train_step(), run.train_step()  # into the second epoch: a new anchor draw, a cosine schedule under way
+    run.save_checkpoint()
+    kept = tmp_path / "repo" / "checkpoints" / "run"
+    shutil.copytree(tmp_path / "day1" / "train_state", kept)
+    want = run.train_step()
+    want_w = {n: p.detach().clone() for n, p in start.named_parameters()}
+
+    other = tiny_drafter(target, block_size=4, confidence=True).float()  # other weights: the checkpoint's must win
+    again = Trainer(target, other, samples, tmp_path / "day2", cfg, progress=False)
+    assert again.load_checkpoint(kept) and again.step == 2
+    got = again.train_step()
+    for key in ("ce_final", "ce_base", "kl", "bce", "lr", "grad_norm"):
+        assert got[key] == want[key], key
+    got_w = dict(other.named_parameters())
+    assert want_w.keys() == got_w.keys() and all(torch.equal(want_w[n], got_w[n]) for n in want_w)
+    # control: without the checkpoint the same step on those weights differs
+    fresh = Trainer(target, tiny_drafter(target, block_size=4, confidence=True).float(), samples, tmp_path / "x", cfg)
+    assert fresh.train_step()["kl"] != want["kl"]
+
+
+def test_resume_from_a_finished_run_exports_it_in_the_new_out(tmp_path, qwen3_target):
+    """A kept checkpoint of a run's last step, continued in a new --out: nothing left to train, the drafter is
+    exported there (the new OUT has no metrics to plot; that once raised FileNotFoundError)."""
+    samples = synthetic_samples(qwen3_target, n=4)
+    cfg = TrainConfig(max_steps=2, batch_size=4, anchors=4, lr=3e-3)
+    Trainer(qwen3_target, tiny_drafter(qwen3_target, block_size=4).float(), samples, tmp_path / "a", cfg).fit()
+    again = Trainer(qwen3_target, tiny_drafter(qwen3_target, block_size=4).float(), samples, tmp_path / "b", cfg)
+    again.load_checkpoint(tmp_path / "a" / "train_state")
+    again.fit()
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_refuses_an_out_that_has_its_own_checkpoint(tmp_path):
+    (tmp_path / "out" / "train_state").mkdir(parents=True)
+    job = TrainJob(data=tmp_path / "d", out=tmp_path / "out", resume_from=tmp_path / "kept")
+    with pytest.raises(DominoError, match="already holds a training checkpoint: continue it with --resume"):
+        job.check_outputs()
+    job = TrainJob(data=tmp_path / "d", out=tmp_path / "new", resume_from=tmp_path / "kept")
+    with pytest.raises(DominoError, match="holds no trainer.pt"):
+        job.check_outputs()
+
+
 def test_resume_on_a_grown_data_set_trains_on_every_sample_and_survives_another_kill(tmp_path, llama_target):
     """Data grown from 6 to 10 samples after step 3: the run resumes its optimizer and step, the next epoch
     draws all 10, what is left of --epochs counts over 10; killed again and resumed, it ends identically."""

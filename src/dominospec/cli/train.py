@@ -77,6 +77,7 @@ def cmd_train(args) -> int:
         feature_cache=args.feature_cache,
         features_only=args.features_only,
         resume=args.resume,
+        resume_from=args.resume_from,
         save_dtype=SAVE_DTYPES[args.save_dtype],
         allow_other_target=args.allow_other_target,
         memory_gb=args.memory_gb,
@@ -327,6 +328,14 @@ def add_parser(sub) -> None:
         action="store_true",
         help="continue from the checkpoint in --out; on a data set grown since (prepare-data --extend: its first "
         "samples unchanged) the new samples join from the next epoch, and the rest of --epochs counts over all",
+    )
+    p.add_argument(
+        "--resume-from",
+        default=None,
+        metavar="DIR",
+        help="continue from DIR, a copy of a run's OUT/train_state kept elsewhere (in a repository, say: a run "
+        "that outlives its machine); the same command and data as the run that wrote it, a new --out; the target "
+        "features are recomputed (or read from --feature-cache)",
     )
     p.add_argument(
         "--val-fraction",

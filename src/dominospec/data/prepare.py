@@ -174,11 +174,13 @@ class FeatureCapture:
     def layers(self, target) -> list[int]:
         return sorted(set(self.layer_ids) | {target.num_layers - 1})
 
-    def store(self, target, input_ids: list[int], states) -> None:
+    def store(self, target, input_ids: list[int], states, lse=None) -> None:
+        """lse [S]: the log-normaliser of the logits at each position where the passes computed them (NaN where
+        they did not: the trainer computes those few from the stored final state)."""
         per = dict(zip(self.layers(target), states.split(target.hidden_size, dim=-1)))  # layer -> [S, H]
         features = torch.cat([per[j] for j in self.layer_ids], dim=-1)
         final = target.final_norm(per[target.num_layers - 1])
-        self.cache.write(self.layer_ids, input_ids, features, final)
+        self.cache.write(self.layer_ids, input_ids, features, final, lse)
 
 
 def batch_seed(seed: int, first_index: int, turn: int) -> int:
@@ -276,9 +278,9 @@ def regenerate_in_slots(
             if held and (builders[i].splits > splits or not kept):
                 capture.store(target, *held)
             if kept and turn + 1 == len(conversations[i].turns):
-                capture.store(target, prompt + job.answer, job.captured())
-            elif kept:
-                pending[i] = (prompt + job.answer, job.captured())  # a sample only if the next turn splits
+                capture.store(target, prompt + job.answer, job.captured(), job.captured_lse())
+            elif kept:  # a sample only if the next turn splits
+                pending[i] = (prompt + job.answer, job.captured(), job.captured_lse())
         if kept and turn + 1 < len(conversations[i].turns):
             due.appendleft((i, turn + 1))  # first in line: a conversation in progress finishes soon
             progress(Counter(generated_tokens=len(job.answer)))

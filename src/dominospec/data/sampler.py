@@ -14,7 +14,9 @@ With `capture`, the target's hidden states at those layers are kept for every po
 passes compute (its prompt's prefill, then one row per decode step), and a finished row runs one
 more step with its last token, so a job ends holding the states of every token of prompt + answer:
 what a separate no-cache pass over the sample would give, up to batch-shape rounding, and the
-trainer's feature pass need not run again.
+trainer's feature pass need not run again. It also keeps the log-normaliser of the next-token logits
+those passes compute (the prompt's last token and every answer token), which a distilling trainer
+would otherwise get from one more pass of the full LM head over the sample.
 """
 
 from __future__ import annotations
@@ -37,10 +39,18 @@ class AnswerJob:
     seed: int
     answer: list[int] = field(default_factory=list)
     states: list[torch.Tensor] = field(default_factory=list)  # with capture: [n, W] pieces, prompt then answer
+    lse: list[torch.Tensor] = field(default_factory=list)  # with capture: [1] pieces, the prompt's last token on
 
     def captured(self) -> torch.Tensor:
         """[len(prompt) + len(answer), W]: the captured layers' states of every token, in order."""
         return torch.cat(self.states)
+
+    def captured_lse(self) -> torch.Tensor:
+        """[len(prompt) + len(answer)] fp32: the log-normaliser of the target's next-token logits at every position
+        whose logits the passes computed (the prompt's last token and every answer token); NaN at the prompt's
+        earlier positions, whose logits the prefill never computes."""
+        head = torch.full((len(self.prompt) - 1,), float("nan"))
+        return torch.cat([head, torch.cat(self.lse).float().cpu()])
 
 
 @torch.inference_mode()
@@ -110,9 +120,11 @@ def sample_in_slots(
         logits, states = out.logits[:, 0], out.features  # [R, V], [R, 1, W]
         steps += 1
         if capture:
+            lse = torch.logsumexp(logits.float(), -1, keepdim=True)  # [R, 1], before sampling reads the logits
             for r, job in enumerate(jobs):
                 if job is not None:
                     job.states.append(states[r].clone())
+                    job.lse.append(lse[r])
             _close(closing, jobs, gens, cache, on_done)
             exhausted = exhausted and not closing
 
@@ -134,3 +146,4 @@ def _prefill(target, cache, r: int, job: AnswerJob, logits: torch.Tensor, dev, c
     logits[r] = out.logits[0, 0]
     if capture:
         job.states = [out.features[0]]  # [len(prompt), W]
+        job.lse = [torch.logsumexp(out.logits[0, 0].float(), -1, keepdim=True)]  # the prompt's last position

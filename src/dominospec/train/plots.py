@@ -19,6 +19,8 @@ def plot_metrics(metrics_path: Path, png: Path) -> bool:
     except ImportError:
         log_once(f"matplotlib is not installed: no {png.name} (pip install matplotlib)")
         return False
+    if not metrics_path.exists():  # no step ran here (a run resumed into a new --out at its last step)
+        return False
     recs = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
     vals = [r for r in recs if r.get("kind") == "val"]
     recs = [r for r in recs if r.get("kind") != "val"]

@@ -28,7 +28,7 @@ from .samples import (
     init_from_target_layer,
     validate_samples,
 )
-from .trainer import TrainConfig, Trainer, read_train_state
+from .trainer import TrainConfig, Trainer, read_state_dir, read_train_state
 from .validate import Validator, shared_sequences, split_validation
 
 TRAIN_LABELS = ("all", "on-policy", "off-policy")
@@ -58,6 +58,7 @@ class TrainJob:
     feature_cache: str | Path | None = None  # target features cached here (fp16) for multi-epoch runs
     features_only: bool = False  # fill feature_cache for every training sample, then stop (no training)
     resume: bool = False  # continue from the checkpoint in `out`
+    resume_from: str | Path | None = None  # continue from this copy of a run's train_state (kept in a repository)
     save_dtype: torch.dtype | None = None  # of the exported weights (None: float32)
     allow_other_target: bool = False  # accept data written by another model with the same tokenizer
     memory_gb: float = 4.0  # the packed step keeps at most this much of the samples' fp16 features in memory
@@ -90,11 +91,18 @@ class TrainJob:
         """The output directory and feature cache, created and writable (before anything slow runs)."""
         out = ensure_writable_dir(self.out)
         cache = ensure_writable_dir(self.feature_cache, "--feature-cache") if self.feature_cache else None
-        if (out / "train_state").exists() and not self.resume:
+        if (out / "train_state").exists() and not self.resume and not self.resume_from:
             raise DominoError(
                 f"{out} already holds a training checkpoint; pass --resume to continue it or choose another --out"
             )
-        if self.resume:
+        if self.resume_from:
+            if (out / "train_state").exists():
+                raise DominoError(
+                    f"{out} already holds a training checkpoint: continue it with --resume, or give --resume-from "
+                    "a new --out"
+                )
+            read_state_dir(Path(self.resume_from))  # a missing or damaged one is named now
+        elif self.resume:
             read_train_state(out)  # a damaged checkpoint is named now, not after the target loads
         return out, cache
 
@@ -234,7 +242,11 @@ def train_drafter(target, job: TrainJob, progress: bool = True) -> Trainer:
                 f"trainings with the same layers read them (--features-only: nothing trained)"
             )
         return trainer
-    if job.resume:
+    if job.resume_from:
+        trainer.load_checkpoint(Path(job.resume_from))
+        if dist.main:
+            log(f"resumed {job.resume_from} at step {trainer.step}/{trainer.total}; checkpoints go to {out}")
+    elif job.resume:
         resumed = trainer.load_checkpoint()
         if dist.main:
             log(

@@ -239,6 +239,14 @@ def read_train_state(out: Path, device="cpu") -> tuple[Path, dict, tuple] | None
         d = out / "train_state.old"  # killed between the two renames
     if not (d / "trainer.pt").exists():
         return None
+    return read_state_dir(d, device)
+
+
+def read_state_dir(d: Path, device="cpu") -> tuple[Path, dict, tuple]:
+    """A checkpoint directory (trainer.pt and drafter/, as OUT/train_state holds them; or a copy of one kept
+    elsewhere, such as in a repository, that `--resume-from` continues): (d, trainer.pt's dict, its drafter)."""
+    if not (d / "trainer.pt").exists():
+        raise DominoError(f"cannot resume: {d} holds no trainer.pt (a copy of a run's OUT/train_state is expected)")
     st = read_trainer_pt(d / "trainer.pt", device)
     try:
         drafter = read_checkpoint(d / "drafter")
@@ -466,6 +474,9 @@ class Trainer:
                 self._lse[i] = stored.to(fin.device) if stored is not None else self._log_normaliser(fin)
             pos = (a.unsqueeze(1) + torch.arange(self.block, device=a.device)).clamp(max=fin.shape[0] - 1)
             distinct, inverse = torch.unique(pos, return_inverse=True)
+            gaps = distinct[torch.isnan(self._lse[i][distinct])]  # captured at generation: no logits at a prompt's
+            if gaps.numel():  # positions (an earlier turn's answer), computed here once, where a block reads them
+                self._lse[i][gaps] = self._log_normaliser(fin[gaps]).to(self._lse[i].dtype)
             rows.append(fin[distinct])  # [U_r, H]
             lse.append(self._lse[i][distinct])
             where.append(inverse + offset)  # [N_r, B] -> row of the distinct positions
@@ -782,11 +793,12 @@ class Trainer:
         if old.exists():
             shutil.rmtree(old)
 
-    def load_checkpoint(self) -> bool:
-        """Continue from OUT/train_state; False when there is none. Refuses a checkpoint made with
-        other settings (every TrainConfig field that changes the result, the drafter's config, the
-        data size), naming each setting with its stored and its new value."""
-        found = read_train_state(self.out, self.device)
+    def load_checkpoint(self, source: Path | None = None) -> bool:
+        """Continue from OUT/train_state, or from `source`, a copy of one kept elsewhere (a repository: a run
+        that outlives its machine; the feature cache is not part of it and is recomputed); False when OUT has
+        none. Refuses a checkpoint made with other settings (every TrainConfig field that changes the result,
+        the drafter's config, the data size), naming each setting with its stored and its new value."""
+        found = read_train_state(self.out, self.device) if source is None else read_state_dir(Path(source), self.device)
         if found is None:
             return False
         d, st, (config, state, w_path) = found
