@@ -189,6 +189,19 @@ def test_a_mistral_gguf_loads_as_llama_cpp_writes_it(tmp_path):
     assert q4.native.blocks[0].qkv.kernel.format == "q4_octets" and q4.native.lm_head.kernel.format == "q4_octets"
 
 
+def test_a_gguf_transformers_cannot_read_is_refused_by_name(tmp_path):
+    """Protects: a supported architecture that the installed gguf-py cannot map (here "mistral" as the field's
+    value) is refused with the file and the architecture named, not a raw NotImplementedError from transformers."""
+    path = tmp_path / "tiny-mistral.gguf"
+    write_gguf(path, tiny_hf("mistral"), "llama", "Q4_1", arch_name="mistral")
+    import gguf
+
+    if "mistral" in getattr(gguf, "MODEL_ARCH_NAMES", {}).values():  # pragma: no cover - a newer gguf-py reads it
+        pytest.skip("this gguf-py knows mistral")
+    with pytest.raises(DominoError, match=r"tiny-mistral\.gguf: transformers cannot read this 'mistral' GGUF"):
+        Target.load(str(path), dtype="float32", backend="native")
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_files_blocks_reach_q4_dot_unchanged(kind, tmp_path):
     """Protects: the converted copy keeps each quantised linear's blocks as the file holds them (rows in the model's

@@ -98,10 +98,18 @@ def convert_gguf(path: Path, reader, out: Path, progress=None) -> None:
         progress(f"converting {path.name} to safetensors in {out} (once, a few seconds)")
     t0 = time.time()
     src, filename = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=filename)
-    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=filename, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained; rebuild it from a clean config.
-    config = AutoConfig.from_pretrained(src, gguf_file=filename)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=filename)
+        gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=filename, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained; rebuild it from a clean config.
+        config = AutoConfig.from_pretrained(src, gguf_file=filename)
+    except NotImplementedError as exc:  # e.g. an installed gguf-py without this architecture's tables
+        field = reader.fields.get("general.architecture")
+        arch = field.contents() if field is not None else None
+        raise DominoError(
+            f"{path}: transformers cannot read this {arch!r} GGUF here ({exc}). A file written by llama.cpp's "
+            "converter for a Mistral model says 'llama' and loads; this one needs a newer gguf package"
+        ) from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
