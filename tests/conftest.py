@@ -638,6 +638,9 @@ def fused_vs_python(native, monkeypatch, fused_switch, prompts, new):
 
 # ----- a SmolLM2-like tiny Llama in fp32 for the weight formats (test_quant.py, test_q4_dot.py) -----
 QUANT_PROMPTS = [[1, 5, 9, 2], [7] * 11, list(range(3, 40, 2)), [4, 8, 15, 16, 23, 42, 4, 8, 15, 16]]
+TINY_SHAPE = dict(  # the tiny Llama-family shape several test files build their models in
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+)
 SMOL_ATTENTION = dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
 
 

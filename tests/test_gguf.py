@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import TINY_SHAPE
 
 from dominospec import DominoError, Target
 from dominospec.targets import gguf as gguf_target
@@ -41,12 +42,7 @@ def tiny_hf(arch: str, seed: int = 0):
     torch.manual_seed(seed)
     common = dict(
         vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **TINY_SHAPE,
         max_position_embeddings=256,
         tie_word_embeddings=arch == "llama",
         rms_norm_eps=1e-5,

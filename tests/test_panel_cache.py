@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_SHAPE
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dominospec.targets import kernels
@@ -23,12 +24,7 @@ def model_dir(tmp_path, monkeypatch):
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **TINY_SHAPE,
         max_position_embeddings=128,
         tie_word_embeddings=True,
     )

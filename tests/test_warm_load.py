@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import TINY_SHAPE
 from transformers import (
     AutoTokenizer,
     LlamaConfig,
@@ -33,12 +34,7 @@ FAMILIES = {
 }
 SHAPE = dict(
     vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    **TINY_SHAPE,
     max_position_embeddings=128,
     eos_token_id=63,
     bos_token_id=0,
