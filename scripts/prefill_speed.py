@@ -3,7 +3,7 @@
 One prompt of N random token ids (fixed seed) through the bundled target's forward into an empty cache, only the
 last position's logits (as decoding's prefill asks), median of --repeats after a warm-up; llama.cpp: the same ids
 through `Llama.eval` after a reset, its batch threads equal to its threads. Run pinned and alone:
-`/work/tools/quiet python scripts/prefill_speed.py --dtypes int8,int8-dot --lengths 64,256,700 --llamacpp`.
+`taskset -c 0 python scripts/prefill_speed.py --dtypes int8,int8-dot --lengths 64,256,700 --llamacpp`.
 """
 
 from __future__ import annotations
