@@ -85,7 +85,7 @@ def directory_files(directory: Path) -> list[list]:
     """[name, size, mtime_ns] of each file in a directory (hidden ones aside): what a cache of something read from
     a model directory is keyed by."""
     files = sorted(f for f in Path(directory).iterdir() if f.is_file() and not f.name.startswith("."))
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return [[f.name, st.st_size, st.st_mtime_ns] for f in files for st in [f.stat()]]
 
 
 def is_temporary(path: Path) -> bool:

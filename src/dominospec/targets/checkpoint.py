@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from ..io import cache_dir, directory_files, write_json_atomic
+from .native import NATIVE_ARCHITECTURES
 
 WEIGHTS_FILE = "model.safetensors"
-FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}  # native.NATIVE_ARCHITECTURES
 # the config fields the forward and Target read, which transformers fills with class defaults when absent
 REQUIRED = (
     "model_type",
@@ -54,7 +54,7 @@ def checkpoint_support(directory: Path) -> str | None:
         cfg = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as exc:
         return f"config.json does not read ({exc})"
-    if cfg.get("model_type") not in FAMILIES:
+    if cfg.get("model_type") not in NATIVE_ARCHITECTURES:
         return f"model_type {cfg.get('model_type')!r}"
     missing = [k for k in REQUIRED if k not in cfg]
     if missing:
